@@ -1,0 +1,155 @@
+"""Recording recipes on a model's weights, in place: no module swap, module classes unchanged.
+
+A weight's recipe is recorded on its ``nn.Parameter`` (attribute ``_nmcompile``, a frozen
+:class:`WeightAnnotation`). The recipe's state lives in buffers of the owning module named
+``<param>_nm_<key>`` (e.g. ``fc1.weight_nm_beta``), so ``state_dict()`` saves and restores it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .pattern import reduction_dim
+from .plan import Plan
+from .recipes.base import Recipe
+
+__all__ = ["annotate", "AnnotationReport", "WeightAnnotation", "attach", "annotation_of", "state_of"]
+
+ATTR = "_nmcompile"
+SUPPORTED_LAYERS = "nn.Linear, nn.Conv1d, nn.Conv2d, transformers Conv1D, nn.MultiheadAttention"
+
+
+@dataclass(frozen=True)
+class WeightAnnotation:
+    recipe: Recipe
+    dim: int  # the grouping (reduction) dimension of the weight
+
+    def buffer_names(self, param_name: str) -> tuple[str, ...]:
+        return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)
+
+
+def annotation_of(param: torch.Tensor) -> WeightAnnotation | None:
+    return getattr(param, ATTR, None)
+
+
+def state_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> tuple[torch.Tensor, ...]:
+    buffers = module._buffers
+    return tuple(buffers[name] for name in ann.buffer_names(param_name))
+
+
+def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> WeightAnnotation:
+    """Record ``recipe`` on ``module.<param_name>`` and create its state from the current weight.
+
+    Re-attaching the same recipe keeps the existing state (S-STE's beta is computed once).
+    """
+    param = module._parameters[param_name]
+    old = annotation_of(param)
+    if old is not None and old.recipe == recipe and old.dim == dim:
+        if all(name in module._buffers for name in old.buffer_names(param_name)):
+            return old
+    if old is not None:
+        for name in old.buffer_names(param_name):
+            module._buffers.pop(name, None)
+    ann = WeightAnnotation(recipe, dim)
+    with torch.no_grad():
+        state = recipe.init_state(param, dim)
+    for key, name in zip(recipe.state_names, ann.buffer_names(param_name)):
+        module.register_buffer(name, state[key])
+    setattr(param, ATTR, ann)
+    return ann
+
+
+@dataclass
+class AnnotationReport:
+    """Which weights got which recipe, and which were skipped and why."""
+
+    annotated: dict[str, Recipe] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"nmcompile: {len(self.annotated)} weights annotated, {len(self.skipped)} skipped"]
+        lines += [f"  + {name}: {recipe}" for name, recipe in self.annotated.items()]
+        lines += [f"  - {name}: {reason}" for name, reason in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _owners(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, nn.Module, str]]]]:
+    """Each distinct parameter once, with every (module name, module, attribute) that holds it."""
+    holders: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module._parameters.items():
+            if param is None or (id(module), pname) in seen:
+                continue
+            seen.add((id(module), pname))
+            holders.setdefault(id(param), []).append((mname, module, pname))
+    for places in holders.values():
+        mname, _, pname = places[0]
+        yield (f"{mname}.{pname}" if mname else pname), places
+
+
+def _skip_reason(places, recipe: Recipe) -> tuple[str | None, int | None]:
+    mname, module, pname = places[0]
+    param = module._parameters[pname]
+    embedding = [m for m, mod, _ in places if isinstance(mod, (nn.Embedding, nn.EmbeddingBag))]
+    if embedding:
+        other = [f"{m}.{p}" for m, _, p in places if m not in embedding]
+        tied = f", tied to {', '.join(other)}" if other else ""
+        return f"embedding weight ({embedding[0]}){tied}; embeddings are never sparsified", None
+    if len(places) > 1:
+        names = ", ".join(f"{m}.{p}" for m, _, p in places)
+        return f"tied weight shared by {names}; tied weights are never sparsified", None
+    if not param.is_floating_point():
+        return f"dtype {param.dtype} is not floating point; integer weights are skipped", None
+    dim = reduction_dim(module, pname, param)
+    if dim is None:
+        return (
+            f"no known N:M layout for {type(module).__name__}.{pname}; supported: {SUPPORTED_LAYERS} "
+            "(other layers are found by torch.compile(..., backend='nmsparse', options={'recipe': ...}))"
+        ), None
+    return recipe.pattern.fits(param, dim), dim
+
+
+def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, strict: bool = False) -> AnnotationReport:
+    """Record N:M recipes on ``model``'s weights in place and create their state as buffers.
+
+    Args:
+        model: any ``nn.Module``; its classes and forward code are left as they are.
+        recipe_or_rules: a recipe (``"sr_ste:2:4"``, ``nmcompile.recipes.SRSTE()``), a TOML rules
+            path, a ``{glob: recipe}`` dict or ``(glob, recipe)`` pairs. First matching rule wins.
+        include, exclude: globs over parameter or module names.
+        strict: raise ``ValueError`` instead of skipping a selected weight that cannot take its recipe.
+
+    Returns:
+        An :class:`AnnotationReport` naming every annotated weight and every skipped one with why.
+
+    Example::
+
+        report = nmcompile.annotate(model, "sr_ste:2:4", exclude=["classifier"])
+        compiled = torch.compile(model, backend="nmsparse")
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"annotate takes an nn.Module, got {type(model).__name__}")
+    plan = Plan.build(recipe_or_rules, include=include, exclude=exclude)
+    report = AnnotationReport()
+    for name, places in _owners(model):
+        _, module, pname = places[0]
+        if module._parameters[pname].dim() < 2:
+            continue  # biases and norm scales are not N:M candidates
+        recipe = plan.recipe_for(name)
+        if recipe is None:
+            report.skipped[name] = plan.filtered_out(name) or "no rule selects it (kept dense)"
+            continue
+        reason, dim = _skip_reason(places, recipe)
+        if reason is not None:
+            if strict:
+                raise ValueError(f"cannot apply {recipe} to {name!r}: {reason}")
+            report.skipped[name] = reason
+            continue
+        attach(module, pname, recipe, dim)
+        report.annotated[name] = recipe
+    return report

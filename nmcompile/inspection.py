@@ -1,0 +1,108 @@
+"""What the annotated model computes now: effective weights and N:M compliance reports."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import masks
+from .annotate import _owners, annotation_of, state_of
+from .pattern import NMPattern
+
+__all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
+
+
+def _annotated(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    for name, places in _owners(model):
+        _, module, pname = places[0]
+        if annotation_of(module._parameters[pname]) is not None:
+            yield name, module, pname, module._parameters[pname]
+
+
+def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{parameter name: the weight its layer's forward uses now}`` for every annotated weight.
+
+    A pure function of the weights and the recipe state (e.g. ``beta * S(W)`` for S-STE). Weights
+    annotated through backend options, ``NMSPARSE_RECIPE`` or a region appear once the compiled
+    model has run.
+    """
+    out = {}
+    with torch.no_grad():
+        for name, module, pname, param in _annotated(model):
+            ann = annotation_of(param)
+            out[name] = ann.recipe.project(param.detach(), *state_of(module, pname, ann), dim=ann.dim)
+    return out
+
+
+@dataclass(frozen=True)
+class WeightCheck:
+    pattern: NMPattern
+    dim: int
+    groups: int
+    violations: int  # groups with more than N non-zeros
+
+    @property
+    def ok(self) -> bool:
+        return self.violations == 0
+
+
+class CheckReport(dict):
+    """``{tensor name: WeightCheck}``; ``skipped`` maps names that were not checked to why."""
+
+    def __init__(self):
+        super().__init__()
+        self.skipped: dict[str, str] = {}
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.values())
+
+    def __str__(self) -> str:
+        lines = [f"N:M check: {sum(c.ok for c in self.values())}/{len(self)} tensors comply"]
+        for name, c in self.items():
+            status = "ok" if c.ok else f"{c.violations}/{c.groups} groups violate"
+            lines.append(f"  {name}: {c.pattern} along dim {c.dim}: {status}")
+        lines += [f"  - {name}: not checked ({why})" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NMPattern, dim: int) -> None:
+    reason = pattern.fits(tensor, dim)
+    if reason is not None:
+        report.skipped[name] = reason
+        return
+    bad, total = masks.count_violations(tensor, pattern.n, pattern.m, dim)
+    report[name] = WeightCheck(pattern, dim, total, bad)
+
+
+def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> CheckReport:
+    """N:M compliance per weight of a model (its effective weights) or a state dict.
+
+    Args:
+        obj: an annotated ``nn.Module`` or a ``{name: tensor}`` state dict.
+        pattern: ``NMPattern`` or ``"2:4"``. Default: each weight's recipe pattern for a model,
+            2:4 for a state dict.
+        dim: grouping dimension for state-dict tensors (1 for Linear/Conv, 0 for GPT-2 Conv1D).
+    """
+    if isinstance(pattern, str):
+        n, _, m = pattern.partition(":")
+        pattern = NMPattern(int(n), int(m))
+    report = CheckReport()
+    if isinstance(obj, nn.Module):
+        effective = effective_weights(obj)
+        for name, module, pname, param in _annotated(obj):
+            ann = annotation_of(param)
+            _check_one(report, name, effective[name], pattern or ann.recipe.pattern, ann.dim)
+        return report
+    if isinstance(obj, (str, os.PathLike)):
+        raise NotImplementedError("checking ONNX files is not available yet; pass a model or a state dict")
+    if isinstance(obj, Mapping):
+        for name, tensor in obj.items():
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
+                _check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
+        return report
+    raise TypeError(f"check takes an nn.Module or a state dict, got {type(obj).__name__}")

@@ -1,0 +1,88 @@
+"""nmcompile's custom ops (namespace ``nmsparse::``).
+
+Each op exists for its backward rule; its forward is the plain aten math of :mod:`nmcompile.masks`.
+:data:`DECOMPOSITIONS` hands that forward to Inductor, so the mask math fuses into one pass over the
+weight instead of running as an opaque kernel. Under ``inner="aot_eager"`` or in eager mode the
+ops run their bodies, which are the same functions.
+
+=================================  ==============================  ==================================
+op                                 forward                          gradient w.r.t. ``w``
+=================================  ==============================  ==================================
+``prune(w, n, m, dim)``            top-n of every m                 ``g`` (straight-through)
+``prune_decay(w, n, m, dim, lam)`` top-n of every m                 ``g + lam * (w - out)``
+                                                                    (= ``g + lam * (1 - mask) * w``)
+``soft_threshold(w, beta, ...)``   ``beta * S(w)``                   ``g`` (straight-through, no beta)
+=================================  ==============================  ==================================
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import masks
+
+__all__ = ["prune", "prune_decay", "soft_threshold", "DECOMPOSITIONS"]
+
+
+@torch.library.custom_op("nmsparse::prune", mutates_args=())
+def prune(w: Tensor, n: int, m: int, dim: int) -> Tensor:
+    return masks.prune(w, n, m, dim)
+
+
+@torch.library.custom_op("nmsparse::prune_decay", mutates_args=())
+def prune_decay(w: Tensor, n: int, m: int, dim: int, decay: float) -> Tensor:
+    return masks.prune(w, n, m, dim)
+
+
+@torch.library.custom_op("nmsparse::soft_threshold", mutates_args=())
+def soft_threshold(w: Tensor, beta: Tensor, n: int, m: int, dim: int) -> Tensor:
+    return beta * masks.soft_threshold(w, n, m, dim)
+
+
+@prune.register_fake
+def _(w, n, m, dim):
+    return torch.empty_like(w)
+
+
+@prune_decay.register_fake
+def _(w, n, m, dim, decay):
+    return torch.empty_like(w)
+
+
+@soft_threshold.register_fake
+def _(w, beta, n, m, dim):
+    return torch.empty_like(w)
+
+
+def _straight_through(ctx, grad):
+    return grad, None, None, None
+
+
+def _decay_setup(ctx, inputs, output):
+    w, _, _, _, decay = inputs
+    ctx.decay = decay
+    ctx.save_for_backward(w, output)
+
+
+def _decay_backward(ctx, grad):
+    w, out = ctx.saved_tensors
+    return grad + ctx.decay * (w - out), None, None, None, None
+
+
+def _soft_threshold_backward(ctx, grad):
+    return grad, None, None, None, None
+
+
+prune.register_autograd(_straight_through)
+prune_decay.register_autograd(_decay_backward, setup_context=_decay_setup)
+soft_threshold.register_autograd(_soft_threshold_backward)
+
+#: Forward bodies given to Inductor so it traces (and fuses) the mask math.
+DECOMPOSITIONS = {
+    torch.ops.nmsparse.prune.default: lambda w, n, m, dim: masks.prune(w, n, m, dim),
+    torch.ops.nmsparse.prune_decay.default: lambda w, n, m, dim, decay: masks.prune(w, n, m, dim),
+    torch.ops.nmsparse.soft_threshold.default: (
+        lambda w, beta, n, m, dim: beta * masks.soft_threshold(w, n, m, dim)
+    ),
+}

@@ -1,0 +1,91 @@
+"""Node matching shared by the passes: the one place that knows Dynamo's torch-level IR."""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+# call target -> (index of the weight argument, weight dim that is reduced when it is there)
+_LINEAR = {torch._C._nn.linear: 1, F.linear: 1}
+_CONV = {torch.conv1d: 1, torch.conv2d: 1, F.conv1d: 1, F.conv2d: 1}
+_MATMUL = (torch.matmul, torch.mm, operator.matmul)
+_EMBEDDING = {torch.embedding, F.embedding, torch.nn.functional.embedding_bag}
+
+
+def weight_use(user: fx.Node, weight: fx.Node) -> tuple[str, int | None]:
+    """How ``user`` consumes ``weight``: ``(kind, reduction dim of the weight)``.
+
+    kind is ``"gemm"`` (linear, addmm, matmul, conv with the weight as the weight operand),
+    ``"embedding"``, or the name of any other op (which nmcompile does not rewrite through).
+    """
+    target = user.target
+    args = user.args
+    if user.op == "call_function":
+        if target in _LINEAR and len(args) > 1 and args[1] is weight and args[0] is not weight:
+            return "gemm", 1  # linear(x, W[out, in])
+        if target in _CONV and len(args) > 1 and args[1] is weight and args[0] is not weight:
+            return "gemm", 1  # conv(x, W[out, in, k...]): input channels
+        if target is torch.addmm and len(args) > 2 and args[2] is weight and weight not in args[:2]:
+            return "gemm", 0  # GPT-2 Conv1D: addmm(bias, x, W[in, out])
+        if target in _MATMUL and len(args) == 2 and args[0] is not args[1]:
+            if args[1] is weight:
+                return "gemm", 0  # x @ W[in, out]
+            if args[0] is weight:
+                return "gemm", 1  # W[out, in] @ x
+        if target in _EMBEDDING:
+            return "embedding", None
+    name = getattr(target, "__name__", str(target))
+    return f"{user.op} {name}", None
+
+
+_KEY = re.compile(r"\._(modules|parameters|buffers)\['([^']*)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def source_name(source) -> str:
+    name = source.name
+    return name() if callable(name) else name
+
+
+def parameter_fqn(source) -> str:
+    """``L['self']._modules['fc']._parameters['weight']`` -> ``fc.weight``."""
+    parts = []
+    for modules_key, key, attr in _KEY.findall(source_name(source)):
+        if modules_key:
+            parts.append(key)
+        elif attr not in ("_modules", "_parameters", "_buffers", "_orig_mod", "module"):
+            parts.append(attr)
+    return ".".join(parts)
+
+
+def owner_source(source):
+    """``(source of the owning module, attribute name)`` of a parameter source, or None."""
+    index = getattr(source, "index", None)
+    params = getattr(source, "base", None)
+    if not isinstance(index, str) or params is None or getattr(params, "member", None) != "_parameters":
+        return None
+    module = getattr(params, "base", None)
+    return (module, index) if module is not None else None
+
+
+def parameter_placeholders(gm: fx.GraphModule):
+    """``(node, parameter, dynamo source)`` for every placeholder that is an ``nn.Parameter``."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        grapharg = node.meta.get("grapharg")
+        if grapharg is None or grapharg.source is None:
+            continue
+        example = grapharg.example
+        if isinstance(example, nn.Parameter):
+            yield node, example, grapharg.source
+
+
+def region_recipe(users) -> str | None:
+    """The recipe a ``nmcompile.region`` put on any of ``users`` (``node.meta['custom']``)."""
+    for user in users:
+        custom = user.meta.get("custom") or {}
+        if "nmcompile" in custom:
+            return custom["nmcompile"]
+    return None

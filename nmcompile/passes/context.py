@@ -1,0 +1,30 @@
+"""The per-compilation record the passes read and fill in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from ..plan import Plan
+from ..recipes.base import Recipe
+
+
+@dataclass(frozen=True)
+class NMTarget:
+    node: fx.Node  # the weight placeholder
+    fqn: str  # parameter name relative to the compiled root
+    recipe: Recipe
+    dim: int  # reduction dimension the consumers group along
+    owner: object  # dynamo source of the owning module
+    param_name: str  # attribute of the parameter on its module
+    origin: str  # which declaration route chose the recipe
+
+
+@dataclass
+class PassContext:
+    options_plan: Plan | None = None
+    env_plan: Plan | None = None
+    targets: list[NMTarget] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    state_nodes: dict[str, tuple[fx.Node, ...]] = field(default_factory=dict)

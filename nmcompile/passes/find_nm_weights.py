@@ -1,0 +1,67 @@
+"""Find the weights to sparsify and their recipes.
+
+Looks at every parameter placeholder of the Dynamo graph, classifies its uses, and resolves its
+recipe. Precedence (first that applies wins): ``nmcompile.annotate`` on the parameter, then a
+``nmcompile.region`` around its consumer, then the backend ``options``, then ``NMSPARSE_RECIPE``.
+Records an :class:`NMTarget` per weight to rewrite and a reason per weight it skips. No rewriting.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from ..annotate import annotation_of
+from ..recipes import parse
+from . import _graph
+from .context import NMTarget, PassContext
+
+
+def _resolve(ctx: PassContext, param, fqn: str, users):
+    ann = annotation_of(param)
+    if ann is not None:
+        return ann.recipe, "annotate"
+    region = _graph.region_recipe(users)
+    if region is not None:
+        return (None if region == "dense" else parse(region)), "region"
+    for origin, plan in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)):
+        if plan is not None:
+            return plan.recipe_for(fqn), origin
+    return None, None
+
+
+def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
+    found = 0
+    for node, param, source in _graph.parameter_placeholders(gm):
+        users = list(node.users)
+        uses = [_graph.weight_use(user, node) for user in users]
+        if not any(kind == "gemm" for kind, _ in uses):
+            continue  # not consumed as a GEMM/conv weight: bias, norm scale, embedding only, ...
+        fqn = _graph.parameter_fqn(source)
+        recipe, origin = _resolve(ctx, param, fqn, users)
+        if recipe is None:
+            continue
+        skip = None
+        dims = {dim for kind, dim in uses if kind == "gemm"}
+        others = sorted({kind for kind, _ in uses if kind != "gemm"})
+        owner = _graph.owner_source(source)
+        if "embedding" in others:
+            skip = "tied to an embedding; embeddings and tied weights are never sparsified"
+        elif others:
+            skip = f"also used by {', '.join(others)}, which nmcompile does not rewrite through"
+        elif len(dims) > 1:
+            skip = "used with two different reduction dimensions"
+        elif owner is None:
+            skip = "not a module parameter (no owning module to keep recipe state in)"
+        else:
+            (dim,) = dims
+            ann = annotation_of(param)
+            if ann is not None and ann.dim != dim:
+                skip = f"annotated for reduction dim {ann.dim} but the graph reduces dim {dim}"
+            else:
+                skip = recipe.pattern.fits(param, dim)
+        if skip is not None:
+            ctx.skipped[fqn] = f"{skip} (recipe {recipe} from {origin})"
+            continue
+        ctx.targets.append(NMTarget(node, fqn, recipe, dim, owner[0], owner[1], origin))
+        found += 1
+    return found

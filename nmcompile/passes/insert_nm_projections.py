@@ -1,0 +1,50 @@
+"""Insert each target weight's recipe projection and route every use through it.
+
+    linear(x, w)  ->  w_nm = nmsparse::<op>(w, *state); linear(x, w_nm)
+
+Recipe state becomes new placeholders appended after the existing ones (their values are passed
+in at run time from the weight's module, see :mod:`nmcompile.backends.nmsparse`). The ops are
+emitted by calling the recipe's own ``project`` on FX proxies, so the graph and
+``nmcompile.effective_weights`` share one definition.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.fx.proxy import GraphAppendingTracer
+
+from .context import PassContext
+
+
+def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
+    graph = gm.graph
+    tracer = GraphAppendingTracer(graph)
+    last = list(graph.find_nodes(op="placeholder"))[-1]
+    if not ctx.targets:
+        return 0
+    fake_mode = ctx.targets[0].node.meta["example_value"].fake_mode
+    for target in ctx.targets:
+        weight_val = target.node.meta["example_value"]
+        state_nodes = []
+        for key in target.recipe.state_names:
+            with graph.inserting_after(last):
+                last = graph.placeholder(f"{target.fqn.replace('.', '_')}_nm_{key}")
+            last._dynamo_source = None  # a backend-made input: no Dynamo source, passed in by the runner
+            state_nodes.append(last)
+        ctx.state_nodes[target.fqn] = tuple(state_nodes)
+        param = target.node.meta["grapharg"].example
+        state_vals = target.recipe.init_state(param.detach(), target.dim)
+        for key, node in zip(target.recipe.state_names, state_nodes):
+            node.meta["example_value"] = fake_mode.from_tensor(state_vals[key])
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first_op):
+            proxy = target.recipe.project(
+                fx.Proxy(target.node, tracer), *(fx.Proxy(n, tracer) for n in state_nodes), dim=target.dim
+            )
+        projected = proxy.node
+        projected.meta["example_value"] = torch.empty_like(weight_val)
+        target.node.replace_all_uses_with(projected, delete_user_cb=lambda user: user is not projected)
+    graph.lint()
+    gm.recompile()
+    return len(ctx.targets)

@@ -1,0 +1,146 @@
+"""Declarations (annotate, backend options, NMSPARSE_RECIPE, TOML files) as one ordered rule list.
+
+A rule maps a glob over parameter or module names to a recipe, or to ``"dense"`` to keep a weight
+dense. **The first rule that matches a weight wins**; ``include``/``exclude`` filter before any
+rule is looked at. A TOML rules file looks like::
+
+    include = ["encoder.*"]          # optional
+    exclude = ["*.classifier.*"]     # optional
+    [rules]                          # in order, first match wins
+    "*.fc1.weight" = "s_ste:2:4"
+    "*.attn.*" = "dense"
+    "*" = "sr_ste:2:4,decay=2e-4"
+
+``recipe = "..."`` at the top level is short for a last rule ``"*" = "..."``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from . import recipes
+from .recipes.base import Recipe, nearest
+
+__all__ = ["Rule", "Plan", "ENV_VAR"]
+
+ENV_VAR = "NMSPARSE_RECIPE"
+_DENSE = ("dense", "none")
+_TOML_KEYS = ("recipe", "include", "exclude", "rules")
+
+
+@dataclass(frozen=True)
+class Rule:
+    glob: str
+    recipe: Recipe | None  # None keeps matching weights dense
+
+
+def _recipe_or_dense(value) -> Recipe | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _DENSE):
+        return None
+    return recipes.parse(value)
+
+
+def _globs(value, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(f"{what} takes a glob or a list of globs over parameter/module names, got {value!r}")
+
+
+def _names(param_name: str) -> tuple[str, str]:
+    return param_name, param_name.rpartition(".")[0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Ordered rules plus include/exclude filters; see the module docstring."""
+
+    rules: tuple[Rule, ...]
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def recipe_for(self, param_name: str) -> Recipe | None:
+        """The recipe for parameter ``param_name`` (e.g. ``"encoder.0.fc1.weight"``), or None."""
+        names = _names(param_name)
+        if self.include and not any(fnmatchcase(n, g) for g in self.include for n in names):
+            return None
+        if any(fnmatchcase(n, g) for g in self.exclude for n in names):
+            return None
+        for rule in self.rules:
+            if any(fnmatchcase(n, rule.glob) for n in names):
+                return rule.recipe
+        return None
+
+    def filtered_out(self, param_name: str) -> str | None:
+        """Why include/exclude leave ``param_name`` out, or None."""
+        names = _names(param_name)
+        if self.include and not any(fnmatchcase(n, g) for g in self.include for n in names):
+            return f"not matched by include={list(self.include)}"
+        for g in self.exclude:
+            if any(fnmatchcase(n, g) for n in names):
+                return f"matched by exclude glob {g!r}"
+        return None
+
+    @classmethod
+    def build(cls, spec, *, include=None, exclude=None) -> Plan:
+        """A plan from a recipe (object or string), a TOML path, a ``{glob: recipe}`` mapping,
+        a list of ``(glob, recipe)`` pairs, or another plan."""
+        inc, exc = _globs(include, "include"), _globs(exclude, "exclude")
+        if isinstance(spec, Plan):
+            base = spec
+        elif isinstance(spec, os.PathLike) or (isinstance(spec, str) and spec.strip().endswith(".toml")):
+            base = cls.from_toml(spec)
+        elif isinstance(spec, (Recipe, str)):
+            base = cls((Rule("*", _recipe_or_dense(spec)),))
+        elif isinstance(spec, Mapping):
+            base = cls(tuple(Rule(str(g), _recipe_or_dense(r)) for g, r in spec.items()))
+        elif isinstance(spec, Sequence) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in spec):
+            base = cls(tuple(Rule(str(g), _recipe_or_dense(r)) for g, r in spec))
+        else:
+            raise TypeError(
+                "recipe_or_rules takes a recipe ('sr_ste:2:4' or nmcompile.recipes.SRSTE()), a TOML "
+                f"file path, a {{glob: recipe}} dict or a list of (glob, recipe) pairs; got {spec!r}"
+            )
+        return cls(base.rules, base.include + inc, base.exclude + exc)
+
+    @classmethod
+    def from_toml(cls, path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"rules file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"rules file {str(path)!r} is not valid TOML: {err}") from None
+        for key in data:
+            if key not in _TOML_KEYS:
+                raise ValueError(
+                    f"rules file {str(path)!r}: unknown key {key!r}{nearest(key, _TOML_KEYS)}; "
+                    f"accepted: {', '.join(_TOML_KEYS)}"
+                )
+        table = data.get("rules", {})
+        if not isinstance(table, Mapping):
+            raise ValueError(f"rules file {str(path)!r}: [rules] must be a table of glob = recipe")
+        rules = [Rule(g, _recipe_or_dense(r)) for g, r in table.items()]
+        if "recipe" in data:
+            rules.append(Rule("*", _recipe_or_dense(data["recipe"])))
+        return cls(tuple(rules), _globs(data.get("include"), "include"), _globs(data.get("exclude"), "exclude"))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Plan | None:
+        """The plan in ``NMSPARSE_RECIPE`` (a recipe string or a TOML path), or None if unset."""
+        value = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
+        if not value:
+            return None
+        try:
+            return cls.build(value)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{ENV_VAR}={value!r}: {err}") from None

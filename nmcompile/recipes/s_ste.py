@@ -1,0 +1,30 @@
+"""S-STE: "Continuous Pruning Function for Efficient 2:4 Sparse Pre-training" (NeurIPS 2024).
+
+Forward ``W^ = beta * S(W)``: ``S`` shrinks every weight by the (N+1)-th largest magnitude of its
+group and zeroes the rest, a continuous projection onto N:M. ``beta = <W, S(W)> / <S(W), S(W)>`` is
+one per-tensor scale, computed once from the weights when the weight is first annotated or compiled
+and then kept fixed (recomputing it lets it grow and raises the flip rate). Backward is
+straight-through: the gradient reaches ``W`` unscaled and unmasked. State: ``beta`` (0-d float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks
+from .base import Recipe
+
+
+@dataclass(frozen=True, kw_only=True)
+class SSTE(Recipe):
+    name = "s_ste"
+    state_names = ("beta",)
+
+    def init_state(self, weight: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+        return {"beta": masks.soft_threshold_scale(weight, self.n, self.m, dim)}
+
+    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
+        (beta,) = state
+        return torch.ops.nmsparse.soft_threshold(weight, beta, self.n, self.m, dim)
