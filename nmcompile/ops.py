@@ -25,34 +25,36 @@ from . import masks
 __all__ = ["prune", "prune_decay", "soft_threshold", "DECOMPOSITIONS"]
 
 
-@torch.library.custom_op("nmsparse::prune", mutates_args=())
-def prune(w: Tensor, n: int, m: int, dim: int) -> Tensor:
-    return masks.prune(w, n, m, dim)
+def _prune(w: Tensor, n: int, m: int, dim: int) -> Tensor:
+    return masks.prune(w, n, m, dim).contiguous()
 
 
-@torch.library.custom_op("nmsparse::prune_decay", mutates_args=())
-def prune_decay(w: Tensor, n: int, m: int, dim: int, decay: float) -> Tensor:
-    return masks.prune(w, n, m, dim)
+def _prune_decay(w: Tensor, n: int, m: int, dim: int, decay: float) -> Tensor:
+    return masks.prune(w, n, m, dim).contiguous()
 
 
-@torch.library.custom_op("nmsparse::soft_threshold", mutates_args=())
-def soft_threshold(w: Tensor, beta: Tensor, n: int, m: int, dim: int) -> Tensor:
-    return beta * masks.soft_threshold(w, n, m, dim)
+def _soft_threshold(w: Tensor, beta: Tensor, n: int, m: int, dim: int) -> Tensor:
+    return (beta * masks.soft_threshold(w, n, m, dim)).contiguous()
+
+
+prune = torch.library.custom_op("nmsparse::prune", _prune, mutates_args=())
+prune_decay = torch.library.custom_op("nmsparse::prune_decay", _prune_decay, mutates_args=())
+soft_threshold = torch.library.custom_op("nmsparse::soft_threshold", _soft_threshold, mutates_args=())
 
 
 @prune.register_fake
 def _(w, n, m, dim):
-    return torch.empty_like(w)
+    return w.new_empty(w.shape)  # outputs are contiguous
 
 
 @prune_decay.register_fake
 def _(w, n, m, dim, decay):
-    return torch.empty_like(w)
+    return w.new_empty(w.shape)  # outputs are contiguous
 
 
 @soft_threshold.register_fake
 def _(w, beta, n, m, dim):
-    return torch.empty_like(w)
+    return w.new_empty(w.shape)  # outputs are contiguous
 
 
 def _straight_through(ctx, grad):
@@ -80,9 +82,7 @@ soft_threshold.register_autograd(_soft_threshold_backward)
 
 #: Forward bodies given to Inductor so it traces (and fuses) the mask math.
 DECOMPOSITIONS = {
-    torch.ops.nmsparse.prune.default: lambda w, n, m, dim: masks.prune(w, n, m, dim),
-    torch.ops.nmsparse.prune_decay.default: lambda w, n, m, dim, decay: masks.prune(w, n, m, dim),
-    torch.ops.nmsparse.soft_threshold.default: (
-        lambda w, beta, n, m, dim: beta * masks.soft_threshold(w, n, m, dim)
-    ),
+    torch.ops.nmsparse.prune.default: _prune,
+    torch.ops.nmsparse.prune_decay.default: _prune_decay,
+    torch.ops.nmsparse.soft_threshold.default: _soft_threshold,
 }

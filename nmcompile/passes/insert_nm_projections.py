@@ -29,7 +29,7 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
         state_nodes = []
         for key in target.recipe.state_names:
             with graph.inserting_after(last):
-                last = graph.placeholder(f"{target.fqn.replace('.', '_')}_nm_{key}")
+                last = graph.placeholder(f"nm_state_{target.fqn.replace('.', '_')}_{key}")
             last._dynamo_source = None  # a backend-made input: no Dynamo source, passed in by the runner
             state_nodes.append(last)
         ctx.state_nodes[target.fqn] = tuple(state_nodes)

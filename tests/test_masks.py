@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from nmcompile import masks
+from nmcompile.pattern import NMPattern
+
+import reference
+
+PATTERNS = [(1, 2), (2, 4), (1, 4), (2, 8), (4, 8), (1, 8), (1, 16), (1, 32)]
+
+
+def test_hand_computed_2_4_mask():
+    w = torch.tensor([[1.0, -3.0, 2.0, -0.5, 0.0, 0.0, 0.0, 0.0]])
+    assert masks.keep_mask(w, 2, 4).tolist() == [[False, True, True, False, True, True, False, False]]
+    assert masks.prune(w, 2, 4).tolist() == [[0.0, -3.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_hand_computed_soft_threshold():
+    # |w| = 4, 1, 3, 2 -> t = 2 (third largest): 4-2 and 3-2 kept, signs kept
+    w = torch.tensor([[-4.0, 1.0, 3.0, 2.0]])
+    assert masks.soft_threshold(w, 2, 4).tolist() == [[-2.0, 0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("n,m", PATTERNS, ids=lambda v: str(v))
+def test_masks_match_reference(n, m):
+    w = torch.randn(16, 4 * m)
+    torch.testing.assert_close(masks.keep_mask(w, n, m, 1), reference.topn_mask(w, n, m, 1))
+    torch.testing.assert_close(masks.prune(w, n, m, 1), w * reference.topn_mask(w, n, m, 1))
+    torch.testing.assert_close(masks.soft_threshold(w, n, m, 1), reference.soft_threshold(w, n, m, 1))
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (4, 8)], ids=lambda v: str(v))
+def test_ties_keep_exactly_n_lower_index_first(n, m):
+    w = torch.randint(-2, 3, (64, 4 * m)).float()  # many ties and all-zero groups
+    keep = masks.keep_mask(w, n, m, 1)
+    assert (keep.unflatten(1, (-1, m)).sum(-1) == n).all()
+    torch.testing.assert_close(keep, reference.topn_mask(w, n, m, 1))
+    torch.testing.assert_close(masks.soft_threshold(w, n, m, 1), reference.soft_threshold(w, n, m, 1))
+
+
+def test_other_dims_group_along_that_dim():
+    conv = torch.randn(6, 8, 3, 3)  # [out, in, kh, kw]: groups along input channels
+    torch.testing.assert_close(masks.prune(conv, 2, 4, 1), conv * reference.topn_mask(conv, 2, 4, 1))
+    gpt2 = torch.randn(8, 5)  # Conv1D [in, out]: groups along dim 0
+    kept = masks.keep_mask(gpt2, 2, 4, 0)
+    assert (kept.unflatten(0, (-1, 4)).sum(1) == 2).all()
+
+
+@pytest.mark.parametrize("init,expected", [("uniform", 1.75), ("normal", 1.48)])
+def test_beta_matches_paper_values(init, expected):
+    w = torch.empty(4096, 1024)
+    torch.nn.init.kaiming_uniform_(w, a=5**0.5) if init == "uniform" else torch.nn.init.normal_(w, std=0.02)
+    beta = masks.soft_threshold_scale(w, 2, 4, 1)
+    assert beta.dtype == torch.float32 and beta.dim() == 0
+    assert abs(beta.item() - expected) < 0.02
+    torch.testing.assert_close(beta, reference.beta(w, 2, 4, 1))
+
+
+def test_beta_of_zero_weight_is_one():
+    assert masks.soft_threshold_scale(torch.zeros(4, 8), 2, 4, 1).item() == 1.0
+
+
+def test_count_violations():
+    t = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]])
+    assert masks.count_violations(t, 2, 4, 1) == (1, 2)
+
+
+@pytest.mark.parametrize("n,m", [(0, 4), (4, 4), (5, 4), (-1, 2)])
+def test_pattern_rejects_bad_n(n, m):
+    with pytest.raises(ValueError, match="1 <= N < M"):
+        NMPattern(n, m)
+
+
+def test_pattern_fits_names_the_fix():
+    reason = NMPattern(2, 4).fits(torch.zeros(3, 10), 1)
+    assert "not divisible by M=4" in reason and "pad it to 12" in reason
+    assert "not floating point" in NMPattern(2, 4).fits(torch.zeros(3, 8, dtype=torch.int8), 1)
