@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-
+import torch
 import torch.fx.traceback as fx_traceback
 
 from . import recipes
@@ -12,16 +11,19 @@ from .recipes.base import Recipe
 __all__ = ["region"]
 
 
-@contextlib.contextmanager
+@torch.compiler.assume_constant_result
+def _canonical(recipe: Recipe | str) -> str:
+    # Evaluated once while Dynamo traces, so the parsing never enters the graph.
+    if isinstance(recipe, str) and recipe.strip().lower() == "dense":
+        return "dense"
+    return str(recipes.parse(recipe))
+
+
 def region(recipe: Recipe | str):
     """Weights consumed by linear/conv calls inside the block get ``recipe`` under ``nmsparse``.
 
     Uses ``torch.fx.traceback.annotate``: Dynamo records the recipe on the nodes it traces in the
-    block (no graph break); eager execution is unaffected. ``"dense"`` opts a region out.
+    block (no graph break); eager execution is unaffected. ``"dense"`` opts a region out. A region
+    recipe comes after ``nmcompile.annotate`` and before backend options in precedence.
     """
-    if isinstance(recipe, str) and recipe.strip().lower() == "dense":
-        text = "dense"
-    else:
-        text = str(recipes.parse(recipe))
-    with fx_traceback.annotate({"nmcompile": text}):
-        yield
+    return fx_traceback.annotate({"nmcompile": _canonical(recipe)})
