@@ -363,7 +363,8 @@ def test_bert_for_sequence_classification(recipe):
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 2, 1])}
     run = train(model, compiled, (), kwargs, loss_fn=lambda out: out.loss, output_fn=lambda out: out.logits)
     check_trained(model, run, expected)
-    assert (model.bert.embeddings.word_embeddings.weight != 0).all()
+    # embeddings stay dense
+    assert nm_violations(model.bert.embeddings.word_embeddings.weight, 1) > 0
 
 
 def _gpt2(transformers):
