@@ -176,14 +176,31 @@ def test_one_graph_serves_many_instances_with_their_own_state():
     torch.testing.assert_close(out_b, eager_with(b, x))
 
 
-def test_reannotating_with_another_recipe_after_compiling_is_an_error():
-    model = MLP()
-    nmcompile.annotate(model, "ste")
-    compiled = torch.compile(model, backend="nmsparse", options=AOT)
-    compiled(torch.randn(2, 16))
-    nmcompile.annotate(model, "sr_ste")
-    with pytest.raises(RuntimeError, match="compiled with recipe ste:2:4 but is now annotated with sr_ste.*reset"):
-        compiled(torch.randn(2, 16))
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_instances_with_other_recipes_share_the_dynamo_graph(inner):
+    models = [MLP() for _ in range(3)]
+    for model, recipe in zip(models, ["ste", "s_ste:1:4", "ste"]):
+        nmcompile.annotate(model, recipe)
+    compiled = [torch.compile(m, backend="nmsparse", options={"inner": inner}) for m in models]
+    x = torch.randn(4, 16)
+    counters.clear()
+    for _ in range(2):
+        for model, run in zip(models, compiled):
+            torch.testing.assert_close(run(x), eager_with(model, x))
+    assert counters["stats"]["unique_graphs"] == 1
+    del models[0], compiled[0]  # the model the graph was traced from may go away
+    nmcompile.annotate(models[1], "sr_ste")  # re-annotated after compiling
+    torch.testing.assert_close(compiled[0](x), eager_with(models[0], x))
+
+
+def test_recipe_that_does_not_fit_the_compiled_graph_is_an_error():
+    a, b = MLP(), MLP()
+    nmcompile.annotate(a, "ste")
+    nmcompile.annotate(b, "ste:1:32", include=["fc2"])  # fc1 (16 inputs) cannot take 1:32
+    b.fc1.weight._nmcompile = a.fc1.weight._nmcompile.__class__(recipes.STE(n=1, m=32), 1)
+    torch.compile(a, backend="nmsparse", options=AOT)(torch.randn(2, 16))
+    with pytest.raises(RuntimeError, match="'fc1.weight' was compiled with recipe ste:2:4.*reset"):
+        torch.compile(b, backend="nmsparse", options=AOT)(torch.randn(2, 16))
 
 
 @pytest.mark.parametrize("name", ["ste", "sr_ste", "s_ste"])

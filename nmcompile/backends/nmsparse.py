@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 
@@ -22,8 +23,10 @@ import torch
 from torch import fx
 
 from .. import ops
-from ..annotate import ATTR, attach
+from ..annotate import ATTR, attach, state_of
 from ..passes import TRAIN_PASSES, PassContext, run_passes
+from ..passes._graph import source_name
+from ..passes.insert_nm_projections import insert_nm_projections
 from ..plan import Plan
 
 __all__ = ["nmsparse_backend"]
@@ -96,53 +99,82 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
-_UNSEEN = object()
-
-
 class _Slot:
-    """One sparsified weight: where its module arrives among the call arguments, and its recipe."""
+    """One sparsified weight: where its module arrives among the call arguments, and its layout."""
 
-    __slots__ = ("owner", "param_name", "fqn", "recipe", "dim", "buffer_names", "seen")
+    __slots__ = ("owner", "param_name", "fqn", "recipe", "dim")
 
     def __init__(self, owner: int, target):
-        self.owner = owner
-        self.param_name, self.fqn = target.param_name, target.fqn
-        self.recipe, self.dim = target.recipe, target.dim
-        self.buffer_names = tuple(f"{target.param_name}_nm_{k}" for k in target.recipe.state_names)
-        self.seen = _UNSEEN
+        self.owner, self.param_name, self.fqn = owner, target.param_name, target.fqn
+        self.recipe, self.dim = target.recipe, target.dim  # recipe: the one declared at compile time
 
-    def state(self, module) -> tuple[torch.Tensor, ...]:
+    def annotation(self, module):
         ann = getattr(module._parameters[self.param_name], ATTR, None)
-        if ann is not self.seen:
-            self.seen = self._verify(module, ann)
-        buffers = module._buffers
-        return tuple(buffers[name] for name in self.buffer_names)
-
-    def _verify(self, module, ann):
         if ann is None:  # first time this instance is seen (options / env / region route)
-            return attach(module, self.param_name, self.recipe, self.dim)
-        if ann.recipe != self.recipe or ann.dim != self.dim:
-            raise RuntimeError(
-                f"nmsparse: {self.fqn!r} was compiled with recipe {self.recipe} but is now annotated "
-                f"with {ann.recipe}; call torch.compiler.reset() and compile the model again"
-            )
-        if any(name not in module._buffers for name in self.buffer_names):
-            return attach(module, self.param_name, self.recipe, self.dim)
+            ann = attach(module, self.param_name, self.recipe, self.dim)
         return ann
+
+    def state(self, module, ann) -> tuple[torch.Tensor, ...]:
+        buffers = module._buffers
+        try:
+            return tuple(buffers[name] for name in ann.buffer_names(self.param_name))
+        except KeyError:  # state buffers were removed: recreate them from the weight
+            return state_of(module, self.param_name, attach(module, self.param_name, ann.recipe, self.dim))
 
 
 class _CompiledNM:
-    """Calls the compiled graph with each weight's recipe state appended to the inputs."""
+    """Calls the compiled graph with each weight's recipe state appended to the inputs.
 
-    def __init__(self, compiled, n_inputs: int, slots: list[_Slot]):
-        self.compiled, self.n_inputs, self.slots = compiled, n_inputs, slots
+    Instances of one model class share Dynamo's graph. When an instance's weights carry other
+    recipes than the compiled ones, a variant is compiled from the same graph and cached.
+    """
+
+    def __init__(self, base: fx.GraphModule, targets, slots, n_inputs: int, inner: str, patches: dict):
+        self.base, self.targets, self.slots = base, targets, slots
+        self.n_inputs, self.inner, self.patches = n_inputs, inner, patches
+        self.variants: dict[tuple, object] = {}
+        self.last = None
+        self.compiled = None
+
+    def compile(self, anns, example_inputs):
+        key = tuple((ann.recipe, ann.dim) for ann in anns)
+        compiled = self.variants.get(key)
+        if compiled is None:
+            compiled = self.variants[key] = self._compile_variant(anns, example_inputs)
+        self.last, self.compiled = anns, compiled
+        return compiled
+
+    def _compile_variant(self, anns, example_inputs):
+        work = _copy(self.base)
+        nodes = {node.name: node for node in work.graph.find_nodes(op="placeholder")}
+        targets = []
+        for target, ann in zip(self.targets, anns):
+            value = nodes[target.node.name].meta["example_value"]
+            reason = ann.recipe.pattern.fits(value, ann.dim)
+            if ann.dim != target.dim or reason is not None or _is_symbolic(value):
+                raise RuntimeError(
+                    f"nmsparse: {target.fqn!r} was compiled with recipe {target.recipe} but this model "
+                    f"instance declares {ann.recipe} ({reason or 'another layout or dynamic shapes'}); "
+                    "call torch.compiler.reset() and compile it again"
+                )
+            targets.append(dataclasses.replace(target, node=nodes[target.node.name], recipe=ann.recipe))
+        run_passes(work, (insert_nm_projections,), PassContext(targets=targets))
+        return _compile_inner(work, list(example_inputs), self.inner, self.patches)
 
     def __call__(self, *args):
         n = self.n_inputs
-        inputs, owners = list(args[:n]), args[n:]
-        for slot in self.slots:
-            inputs.extend(slot.state(owners[slot.owner]))
-        return self.compiled(*inputs)
+        owners = args[n:]
+        slots = self.slots
+        anns = tuple([slot.annotation(owners[slot.owner]) for slot in slots])
+        inputs = list(args[:n])
+        for slot, ann in zip(slots, anns):
+            inputs.extend(slot.state(owners[slot.owner], ann))
+        compiled = self.compiled if anns == self.last else self.compile(anns, inputs)
+        return compiled(*inputs)
+
+
+def _is_symbolic(value) -> bool:
+    return any(isinstance(size, torch.SymInt) for size in value.shape)
 
 
 def _add_owner_inputs(gm: fx.GraphModule, sources) -> None:
@@ -168,23 +200,26 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     plan, inner, patches = parse_options(options, mode)
     ctx = PassContext(options_plan=plan, env_plan=Plan.from_env())
     work = _copy(gm)
+    base = _copy(gm)
     run_passes(work, TRAIN_PASSES, ctx)
     _log(ctx)
     if not ctx.targets:
         return _compile_inner(work, list(example_inputs), inner, patches)
     owner_index: dict[str, int] = {}
-    owners, slots, state_examples = [], [], []
+    owners, slots = [], []
     for target in ctx.targets:
-        from ..passes._graph import source_name
-
         key = source_name(target.owner)
         if key not in owner_index:
             owner_index[key] = len(owners)
             owners.append(target.owner)
         slots.append(_Slot(owner_index[key], target))
-        param = target.node.meta["grapharg"].example
-        state = target.recipe.init_state(param.detach(), target.dim)
-        state_examples.extend(state[k] for k in target.recipe.state_names)
-    compiled = _compile_inner(work, [*example_inputs, *state_examples], inner, patches)
+    runner = _CompiledNM(base, ctx.targets, slots, len(example_inputs), inner, patches)
+    # the declared recipes are the first variant; example state comes from these weights
+    state = []
+    for t in ctx.targets:
+        values = t.recipe.init_state(t.node.meta["grapharg"].example.detach(), t.dim)
+        state.extend(values[key] for key in t.recipe.state_names)
+    key = tuple((t.recipe, t.dim) for t in ctx.targets)
+    runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches)
     _add_owner_inputs(gm, owners)
-    return _CompiledNM(compiled, len(example_inputs), slots)
+    return runner

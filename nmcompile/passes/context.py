@@ -27,4 +27,3 @@ class PassContext:
     env_plan: Plan | None = None
     targets: list[NMTarget] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-    state_nodes: dict[str, tuple[fx.Node, ...]] = field(default_factory=dict)

@@ -32,18 +32,18 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
                 last = graph.placeholder(f"nm_state_{target.fqn.replace('.', '_')}_{key}")
             last._dynamo_source = None  # a backend-made input: no Dynamo source, passed in by the runner
             state_nodes.append(last)
-        ctx.state_nodes[target.fqn] = tuple(state_nodes)
-        param = target.node.meta["grapharg"].example
-        state_vals = target.recipe.init_state(param.detach(), target.dim)
+        with fake_mode:
+            state_vals = target.recipe.init_state(weight_val.detach(), target.dim)
         for key, node in zip(target.recipe.state_names, state_nodes):
-            node.meta["example_value"] = fake_mode.from_tensor(state_vals[key])
+            node.meta["example_value"] = state_vals[key]
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first_op):
             proxy = target.recipe.project(
                 fx.Proxy(target.node, tracer), *(fx.Proxy(n, tracer) for n in state_nodes), dim=target.dim
             )
         projected = proxy.node
-        projected.meta["example_value"] = torch.empty_like(weight_val)
+        with fake_mode:
+            projected.meta["example_value"] = torch.empty_like(weight_val)
         target.node.replace_all_uses_with(projected, delete_user_cb=lambda user: user is not projected)
     graph.lint()
     gm.recompile()

@@ -1,0 +1,181 @@
+"""Training-step overhead of nmsparse recipes vs Inductor dense and an eager module swap.
+
+Model: 4 x (Linear(1024, 1024) + ReLU), batch 256, fp32, MSE loss, torch.optim.Adam. Every variant
+runs interleaved round-robin in one process (medians), so host noise hits all of them alike.
+
+Variants:
+  dense       torch.compile(backend="inductor")
+  nm/<r>      torch.compile(backend="nmsparse") with recipe <r> at 2:4
+  swap/<r>    eager module swap: each Linear's weight goes through a per-layer autograd.Function
+              (how the papers' reference code works), mask by torch.topk + scatter
+
+    python benchmarks/train_overhead.py                # step-time table
+    python benchmarks/train_overhead.py --compile-time # + first-step time, cold cache, one process each
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+import nmcompile
+
+RECIPES = ("ste", "sr_ste", "s_ste")
+WIDTH, BATCH, LAYERS = 1024, 256, 4
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[mod for _ in range(LAYERS) for mod in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
+
+
+def topk_mask(w, n=2, m=4):
+    groups = w.abs().reshape(-1, m)
+    idx = groups.topk(n, dim=-1).indices
+    return torch.zeros_like(groups).scatter_(-1, idx, 1.0).reshape(w.shape)
+
+
+class _SwapSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w):
+        return w * topk_mask(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _SwapSRSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, decay):
+        mask = topk_mask(w)
+        ctx.save_for_backward(w, mask)
+        ctx.decay = decay
+        return w * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        w, mask = ctx.saved_tensors
+        return g + ctx.decay * (1 - mask) * w, None
+
+
+class _SwapSSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, beta):
+        a = w.abs().reshape(-1, 4)
+        t = a.sort(dim=-1, descending=True).values[:, 2:3]
+        return beta * (torch.sign(w) * torch.clamp(a - t, min=0).reshape(w.shape))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class SwapLinear(nn.Module):
+    """The module-swap baseline: replaces nn.Linear and masks its weight in an autograd.Function."""
+
+    def __init__(self, linear: nn.Linear, recipe: str):
+        super().__init__()
+        self.weight, self.bias, self.recipe = linear.weight, linear.bias, recipe
+        beta = nmcompile.masks.soft_threshold_scale(linear.weight, 2, 4, 1)
+        self.register_buffer("beta", beta)
+
+    def forward(self, x):
+        if self.recipe == "ste":
+            w = _SwapSTE.apply(self.weight)
+        elif self.recipe == "sr_ste":
+            w = _SwapSRSTE.apply(self.weight, 2e-4)
+        else:
+            w = _SwapSSTE.apply(self.weight, self.beta)
+        return nn.functional.linear(x, w, self.bias)
+
+
+def build(variant: str):
+    model = mlp()
+    if variant == "dense":
+        run = torch.compile(model, backend="inductor")
+    elif variant.startswith("nm/"):
+        nmcompile.annotate(model, f"{variant[3:]}:2:4")
+        run = torch.compile(model, backend="nmsparse")
+    else:
+        recipe = variant[5:]
+        model = nn.Sequential(*[SwapLinear(m, recipe) if isinstance(m, nn.Linear) else m for m in model])
+        run = model
+    return model, run, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def step(run, opt, x, y) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss = ((run(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+
+
+def first_step(variant: str) -> float:
+    _, run, opt = build(variant)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    start = time.perf_counter()
+    step(run, opt, x, y)
+    return time.perf_counter() - start
+
+
+def compile_times(variants) -> dict[str, float]:
+    out = {}
+    for variant in variants:
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+            cmd = [sys.executable, __file__, "--first-step", variant]
+            result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            out[variant] = float(result.stdout.strip().splitlines()[-1])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    parser.add_argument("--no-swap", action="store_true", help="skip the eager module-swap variants")
+    parser.add_argument("--compile-time", action="store_true")
+    parser.add_argument("--first-step", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.first_step:
+        print(first_step(args.first_step))
+        return
+
+    variants = ["dense"] + [f"nm/{r}" for r in args.recipes]
+    if not args.no_swap:
+        variants += [f"swap/{r}" for r in args.recipes]
+    runs = {v: build(v) for v in variants}
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    for _, run, opt in runs.values():
+        for _ in range(args.warmup):
+            step(run, opt, x, y)
+    times = {v: [] for v in variants}
+    for _ in range(args.steps):
+        for v, (_, run, opt) in runs.items():
+            start = time.perf_counter()
+            step(run, opt, x, y)
+            times[v].append(time.perf_counter() - start)
+    med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} interleaved steps")
+    print(f"{'variant':<14}{'median ms':>10}{'vs dense':>10}")
+    for v in variants:
+        print(f"{v:<14}{med[v]:>10.2f}{med[v] / med['dense']:>10.3f}")
+    if args.compile_time:
+        first = compile_times(["dense"] + [f"nm/{r}" for r in args.recipes])
+        print(f"\nfirst step, cold Inductor cache, one process each")
+        for v, s in first.items():
+            print(f"{v:<14}{s:>10.2f} s{s / first['dense']:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
