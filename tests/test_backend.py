@@ -287,3 +287,18 @@ def test_addmm_weight_groups_along_dim_0():
     w = nmcompile.effective_weights(model)["weight"]
     assert ((w != 0).unflatten(0, (-1, 4)).sum(1) == 2).all()
     torch.testing.assert_close(out, x @ w + model.bias)
+
+
+def test_nothing_declared_warns_and_trains_dense():
+    model = MLP()
+    x = torch.randn(2, 16)
+    with pytest.warns(UserWarning, match="no N:M recipe is declared for any of 3 weights.*fc1.weight"):
+        out = torch.compile(model, backend="nmsparse", options=AOT)(x)
+    torch.testing.assert_close(out, model(x))
+    assert nmcompile.effective_weights(model) == {}
+
+
+def test_backend_skips_are_warned_with_reasons():
+    model = Layers()
+    with pytest.warns(UserWarning, match=r"left these weights dense:\n  w_in_out: also used by"):
+        torch.compile(model, backend="nmsparse", options={"recipe": "ste", **AOT})(torch.randn(2, 4, 10))

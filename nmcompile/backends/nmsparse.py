@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import warnings
 
 import torch
 from torch import fx
@@ -188,11 +189,19 @@ def _add_owner_inputs(gm: fx.GraphModule, sources) -> None:
     gm.recompile()
 
 
-def _log(ctx: PassContext) -> None:
+def _report(ctx: PassContext) -> None:
     for t in ctx.targets:
         log.info("nmsparse: %s <- %s (from %s)", t.fqn, t.recipe, t.origin)
-    for name, reason in ctx.skipped.items():
-        log.info("nmsparse: skipped %s: %s", name, reason)
+    if ctx.skipped:
+        lines = "".join(f"\n  {name}: {reason}" for name, reason in ctx.skipped.items())
+        warnings.warn(f"nmsparse left these weights dense:{lines}", stacklevel=2)
+    elif not ctx.targets and ctx.candidates and not ctx.declared:
+        warnings.warn(
+            f"nmsparse: no N:M recipe is declared for any of {len(ctx.candidates)} weights "
+            f"({', '.join(ctx.candidates[:3])}{', ...' if len(ctx.candidates) > 3 else ''}); training dense. "
+            "Declare one with nmcompile.annotate, options={'recipe': ...}, NMSPARSE_RECIPE or nmcompile.region",
+            stacklevel=2,
+        )
 
 
 def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=None, **kwargs):
@@ -202,7 +211,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     work = _copy(gm)
     base = _copy(gm)
     run_passes(work, TRAIN_PASSES, ctx)
-    _log(ctx)
+    _report(ctx)
     if not ctx.targets:
         return _compile_inner(work, list(example_inputs), inner, patches)
     owner_index: dict[str, int] = {}

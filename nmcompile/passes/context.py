@@ -27,3 +27,8 @@ class PassContext:
     env_plan: Plan | None = None
     targets: list[NMTarget] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    candidates: list[str] = field(default_factory=list)  # every weight consumed by a GEMM/conv
+    declared: bool = False  # whether any route declared a recipe (even "dense") for some weight
+
+    def __post_init__(self) -> None:
+        self.declared = self.declared or self.options_plan is not None or self.env_plan is not None

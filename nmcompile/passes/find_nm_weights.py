@@ -37,7 +37,9 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         if not any(kind == "gemm" for kind, _ in uses):
             continue  # not consumed as a GEMM/conv weight: bias, norm scale, embedding only, ...
         fqn = _graph.parameter_fqn(source)
+        ctx.candidates.append(fqn)
         recipe, origin = _resolve(ctx, param, fqn, users)
+        ctx.declared = ctx.declared or origin is not None
         if recipe is None:
             continue
         skip = None
