@@ -302,3 +302,18 @@ def test_backend_skips_are_warned_with_reasons():
     model = Layers()
     with pytest.warns(UserWarning, match=r"left these weights dense:\n  w_in_out: also used by"):
         torch.compile(model, backend="nmsparse", options={"recipe": "ste", **AOT})(torch.randn(2, 4, 10))
+
+
+def test_annotated_weight_the_graph_cannot_rewrite_is_reported():
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x @ self.fc.weight.t()  # no linear/matmul takes the weight itself
+
+    model = Transposed()
+    nmcompile.annotate(model, "ste")
+    with pytest.warns(UserWarning, match="fc.weight: annotated ste:2:4 but used only by"):
+        torch.compile(model, backend="nmsparse", options=AOT)(torch.randn(2, 8))

@@ -14,6 +14,10 @@ _LINEAR = {torch._C._nn.linear: 1, F.linear: 1}
 _CONV = {torch.conv1d: 1, torch.conv2d: 1, F.conv1d: 1, F.conv2d: 1}
 _MATMUL = (torch.matmul, torch.mm, operator.matmul)
 _EMBEDDING = {torch.embedding, F.embedding, torch.nn.functional.embedding_bag}
+# Dynamo keeps F.multi_head_attention_forward as one call; every projection weight it takes is
+# [out, in] and goes through linear inside: in_proj_weight is argument 5, out_proj_weight 11.
+_MHA_POSITIONS = (5, 11)
+_MHA_KEYWORDS = ("in_proj_weight", "out_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
 def weight_use(user: fx.Node, weight: fx.Node) -> tuple[str, int | None]:
@@ -38,6 +42,11 @@ def weight_use(user: fx.Node, weight: fx.Node) -> tuple[str, int | None]:
                 return "gemm", 1  # W[out, in] @ x
         if target in _EMBEDDING:
             return "embedding", None
+        if target is F.multi_head_attention_forward and weight not in args[:3]:
+            if any(i < len(args) and args[i] is weight for i in _MHA_POSITIONS) or any(
+                user.kwargs.get(key) is weight for key in _MHA_KEYWORDS
+            ):
+                return "gemm", 1
     name = getattr(target, "__name__", str(target))
     return f"{user.op} {name}", None
 

@@ -34,9 +34,13 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
     for node, param, source in _graph.parameter_placeholders(gm):
         users = list(node.users)
         uses = [_graph.weight_use(user, node) for user in users]
-        if not any(kind == "gemm" for kind, _ in uses):
-            continue  # not consumed as a GEMM/conv weight: bias, norm scale, embedding only, ...
         fqn = _graph.parameter_fqn(source)
+        if not any(kind == "gemm" for kind, _ in uses):
+            ann = annotation_of(param)
+            if ann is not None and users:  # annotate chose it, but this graph cannot rewrite it
+                kinds = ", ".join(sorted({kind for kind, _ in uses}))
+                ctx.skipped[fqn] = f"annotated {ann.recipe} but used only by {kinds}, not as a linear/conv weight"
+            continue  # bias, norm scale, embedding, ...
         ctx.candidates.append(fqn)
         recipe, origin = _resolve(ctx, param, fqn, users)
         ctx.declared = ctx.declared or origin is not None
