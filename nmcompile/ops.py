@@ -34,7 +34,7 @@ def _prune_decay(w: Tensor, n: int, m: int, dim: int, decay: float) -> Tensor:
 
 
 def _soft_threshold(w: Tensor, beta: Tensor, n: int, m: int, dim: int) -> Tensor:
-    return (beta * masks.soft_threshold(w, n, m, dim)).contiguous()
+    return masks.soft_threshold(w, n, m, dim, scale=beta).contiguous()
 
 
 prune = torch.library.custom_op("nmsparse::prune", _prune, mutates_args=())
@@ -69,7 +69,9 @@ def _decay_setup(ctx, inputs, output):
 
 def _decay_backward(ctx, grad):
     w, out = ctx.saved_tensors
-    return grad + ctx.decay * (w - out), None, None, None, None
+    # g - decay * (out - w) equals g + decay * (w - out) exactly; written as a subtraction so that
+    # Inductor does not fold the term into the weight-gradient addmm (which costs an extra copy)
+    return grad - ctx.decay * (out - w), None, None, None, None
 
 
 def _soft_threshold_backward(ctx, grad):

@@ -75,3 +75,26 @@ def test_pattern_fits_names_the_fix():
     reason = NMPattern(2, 4).fits(torch.zeros(3, 10), 1)
     assert "not divisible by M=4" in reason and "pad it to 12" in reason
     assert "not floating point" in NMPattern(2, 4).fits(torch.zeros(3, 8, dtype=torch.int8), 1)
+
+
+@pytest.mark.parametrize("width", [4, 8, 12, 16, 20, 64, 1024])
+@pytest.mark.parametrize("ties", [False, True])
+def test_2_4_fast_path_matches_reference_at_every_width(width, ties):
+    w = torch.randint(-2, 3, (8, width)).float() if ties else torch.randn(8, width)
+    torch.testing.assert_close(masks.prune(w, 2, 4, 1), w * reference.topn_mask(w, 2, 4, 1))
+    torch.testing.assert_close(masks.soft_threshold(w, 2, 4, 1), reference.soft_threshold(w, 2, 4, 1))
+    beta = torch.tensor(1.3)
+    torch.testing.assert_close(
+        masks.soft_threshold(w, 2, 4, 1, scale=beta), beta * reference.soft_threshold(w, 2, 4, 1)
+    )
+
+
+@pytest.mark.parametrize("shape,dim", [((64, 1024), 1), ((16, 32, 3, 3), 1), ((32, 24), 0)])
+def test_inductor_compiled_masks_match_reference(shape, dim):
+    w = torch.randn(shape)
+    w[0].zero_()  # all-zero groups
+    w[1] = w[1].round()  # ties
+    prune = torch.compile(masks.prune, backend="inductor", fullgraph=True)
+    soft = torch.compile(masks.soft_threshold, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(prune(w, 2, 4, dim), w * reference.topn_mask(w, 2, 4, dim))
+    torch.testing.assert_close(soft(w, 2, 4, dim), reference.soft_threshold(w, 2, 4, dim))
