@@ -317,3 +317,15 @@ def test_annotated_weight_the_graph_cannot_rewrite_is_reported():
     nmcompile.annotate(model, "ste")
     with pytest.warns(UserWarning, match="fc.weight: annotated ste:2:4 but used only by"):
         torch.compile(model, backend="nmsparse", options=AOT)(torch.randn(2, 8))
+
+
+def test_dynamic_shapes_train_and_refuse_unsafe_variants():
+    a, b = MLP(), MLP()
+    nmcompile.annotate(a, "s_ste")
+    nmcompile.annotate(b, "ste")
+    ca = torch.compile(a, backend="nmsparse", options=AOT, dynamic=True)
+    for batch in (2, 5, 9):
+        x = torch.randn(batch, 16)
+        torch.testing.assert_close(ca(x), eager_with(a, x))
+    with pytest.raises(RuntimeError, match="dynamic shapes.*reset"):
+        torch.compile(b, backend="nmsparse", options=AOT, dynamic=True)(torch.randn(3, 16))

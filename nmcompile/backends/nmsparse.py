@@ -136,6 +136,10 @@ class _CompiledNM:
         self.variants: dict[tuple, object] = {}
         self.last = None
         self.compiled = None
+        # variants are compiled outside Dynamo, for the shapes of the call that needs them
+        self.dynamic = any(
+            _is_symbolic(node.meta.get("example_value")) for node in base.graph.find_nodes(op="placeholder")
+        )
 
     def compile(self, anns, example_inputs):
         key = tuple((ann.recipe, ann.dim) for ann in anns)
@@ -152,11 +156,11 @@ class _CompiledNM:
         for target, ann in zip(self.targets, anns):
             value = nodes[target.node.name].meta["example_value"]
             reason = ann.recipe.pattern.fits(value, ann.dim)
-            if ann.dim != target.dim or reason is not None or _is_symbolic(value):
+            if ann.dim != target.dim or reason is not None or self.dynamic:
+                why = reason or ("the graph has dynamic shapes" if self.dynamic else "another layout")
                 raise RuntimeError(
                     f"nmsparse: {target.fqn!r} was compiled with recipe {target.recipe} but this model "
-                    f"instance declares {ann.recipe} ({reason or 'another layout or dynamic shapes'}); "
-                    "call torch.compiler.reset() and compile it again"
+                    f"instance declares {ann.recipe} ({why}); call torch.compiler.reset() and compile it again"
                 )
             targets.append(dataclasses.replace(target, node=nodes[target.node.name], recipe=ann.recipe))
         run_passes(work, (insert_nm_projections,), PassContext(targets=targets))
@@ -175,7 +179,7 @@ class _CompiledNM:
 
 
 def _is_symbolic(value) -> bool:
-    return any(isinstance(size, torch.SymInt) for size in value.shape)
+    return isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)
 
 
 def _add_owner_inputs(gm: fx.GraphModule, sources) -> None:
