@@ -329,3 +329,13 @@ def test_dynamic_shapes_train_and_refuse_unsafe_variants():
         torch.testing.assert_close(ca(x), eager_with(a, x))
     with pytest.raises(RuntimeError, match="dynamic shapes.*reset"):
         torch.compile(b, backend="nmsparse", options=AOT, dynamic=True)(torch.randn(3, 16))
+
+
+def test_in_place_module_compile():
+    # model.compile(...) is how to use nmsparse where a framework (the HF Trainer) rejects the name
+    model = MLP()
+    model.compile(backend="nmsparse", options={"recipe": "sr_ste", **AOT})
+    x = torch.randn(4, 16)
+    out = model(x)
+    assert sorted(nmcompile.effective_weights(model)) == ["fc1.weight", "fc2.weight", "head.weight"]
+    torch.testing.assert_close(out, eager_with(model, x))

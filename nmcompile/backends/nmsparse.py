@@ -189,7 +189,10 @@ def _add_owner_inputs(gm: fx.GraphModule, sources) -> None:
     for i, source in enumerate(sources):
         with gm.graph.inserting_after(last):
             last = gm.graph.placeholder(f"nm_owner_{i}")
-        last.meta["grapharg"] = GraphArg(source, None, False, None, is_tensor=False)
+        # not a tensor: Dynamo evaluates the module's source on every call and passes the module
+        last.meta["grapharg"] = GraphArg(
+            source=source, _example=None, pass_arg_as_tensor=False, fake_tensor=None, is_tensor=False
+        )
     gm.recompile()
 
 
