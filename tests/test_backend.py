@@ -339,3 +339,18 @@ def test_in_place_module_compile():
     out = model(x)
     assert sorted(nmcompile.effective_weights(model)) == ["fc1.weight", "fc2.weight", "head.weight"]
     torch.testing.assert_close(out, eager_with(model, x))
+
+
+def test_deepcopy_drops_the_record_loudly_and_reannotation_restores_it():
+    import copy
+
+    model = MLP()
+    nmcompile.annotate(model, "s_ste")
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 16)
+    with pytest.warns(UserWarning, match="no N:M recipe is declared"):
+        torch.compile(twin, backend="nmsparse", options=AOT)(x)
+    torch._dynamo.reset()
+    nmcompile.annotate(twin, "s_ste")
+    torch.testing.assert_close(twin.fc1.weight_nm_beta, model.fc1.weight_nm_beta)  # same weights, same beta
+    torch.testing.assert_close(torch.compile(twin, backend="nmsparse", options=AOT)(x), eager_with(model, x))

@@ -116,9 +116,8 @@ class _Slot:
         return ann
 
     def state(self, module, ann) -> tuple[torch.Tensor, ...]:
-        buffers = module._buffers
         try:
-            return tuple(buffers[name] for name in ann.buffer_names(self.param_name))
+            return state_of(module, self.param_name, ann)
         except KeyError:  # state buffers were removed: recreate them from the weight
             return state_of(module, self.param_name, attach(module, self.param_name, ann.recipe, self.dim))
 
