@@ -10,17 +10,21 @@ import torch
 from torch import nn
 
 from . import masks
-from .annotate import _owners, annotation_of, state_of
+from .annotate import WeightAnnotation, _owners, annotation_of, state_of
 from .pattern import NMPattern
 
 __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
 
 
-def _annotated(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
-    for name, places in _owners(model):
-        _, module, pname = places[0]
-        if annotation_of(module._parameters[pname]) is not None:
-            yield name, module, pname, module._parameters[pname]
+def _effective(model: nn.Module) -> Iterator[tuple[str, WeightAnnotation, torch.Tensor]]:
+    """``(name, annotation, effective weight)`` of every annotated weight."""
+    with torch.no_grad():
+        for name, places in _owners(model):
+            _, module, pname = places[0]
+            param = module._parameters[pname]
+            ann = annotation_of(param)
+            if ann is not None:
+                yield name, ann, ann.recipe.project(param.detach(), *state_of(module, pname, ann), dim=ann.dim)
 
 
 def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -30,12 +34,7 @@ def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     annotated through backend options, ``NMSPARSE_RECIPE`` or a region appear once the compiled
     model has run.
     """
-    out = {}
-    with torch.no_grad():
-        for name, module, pname, param in _annotated(model):
-            ann = annotation_of(param)
-            out[name] = ann.recipe.project(param.detach(), *state_of(module, pname, ann), dim=ann.dim)
-    return out
+    return {name: weight for name, _, weight in _effective(model)}
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,8 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
         pattern = NMPattern(int(n), int(m))
     report = CheckReport()
     if isinstance(obj, nn.Module):
-        effective = effective_weights(obj)
-        for name, module, pname, param in _annotated(obj):
-            ann = annotation_of(param)
-            _check_one(report, name, effective[name], pattern or ann.recipe.pattern, ann.dim)
+        for name, ann, weight in _effective(obj):
+            _check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim)
         return report
     if isinstance(obj, (str, os.PathLike)):
         raise NotImplementedError("checking ONNX files is not available yet; pass a model or a state dict")

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-# call target -> (index of the weight argument, weight dim that is reduced when it is there)
-_LINEAR = {torch._C._nn.linear: 1, F.linear: 1}
-_CONV = {torch.conv1d: 1, torch.conv2d: 1, F.conv1d: 1, F.conv2d: 1}
+# call targets that take a weight as their second argument and reduce its dim 1
+_LINEAR = {torch._C._nn.linear, F.linear}
+_CONV = {torch.conv1d, torch.conv2d, F.conv1d, F.conv2d}
 _MATMUL = (torch.matmul, torch.mm, operator.matmul)
-_EMBEDDING = {torch.embedding, F.embedding, torch.nn.functional.embedding_bag}
+_EMBEDDING = {torch.embedding, F.embedding, F.embedding_bag}
 # Dynamo keeps F.multi_head_attention_forward as one call; every projection weight it takes is
 # [out, in] and goes through linear inside: in_proj_weight is argument 5, out_proj_weight 11.
 _MHA_POSITIONS = (5, 11)

@@ -18,11 +18,11 @@ from .context import PassContext
 
 
 def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
+    if not ctx.targets:
+        return 0
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)
     last = list(graph.find_nodes(op="placeholder"))[-1]
-    if not ctx.targets:
-        return 0
     fake_mode = ctx.targets[0].node.meta["example_value"].fake_mode
     for target in ctx.targets:
         weight_val = target.node.meta["example_value"]
