@@ -1,4 +1,4 @@
-"""Pure N:M mask math on tensors: no state, no modules, traceable by Inductor as plain aten ops.
+"""Top-N of M: hard masks, pruning and S-STE's soft threshold, written for Inductor to fuse.
 
 Every function groups ``m`` consecutive elements along ``dim`` (see :mod:`nmcompile.pattern`).
 Ties in magnitude go to the lower index, so a hard mask keeps exactly ``n`` of every ``m``,
