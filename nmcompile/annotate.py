@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .clock import StepMirror
+from .diagnostics import Trace
 from .pattern import reduction_dim
 from .plan import Plan
 from .recipes.base import Recipe
@@ -27,6 +29,9 @@ SUPPORTED_LAYERS = "nn.Linear, nn.Conv1d, nn.Conv2d, transformers Conv1D, nn.Mul
 class WeightAnnotation:
     recipe: Recipe
     dim: int  # the grouping (reduction) dimension of the weight
+    # run-time companions, not part of the declaration (excluded from equality):
+    clock: StepMirror = field(default_factory=StepMirror, compare=False, repr=False)
+    trace: Trace = field(default_factory=Trace, compare=False, repr=False)  # diagnostics
 
     def buffer_names(self, param_name: str) -> tuple[str, ...]:
         return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)
@@ -39,6 +44,11 @@ def annotation_of(param: torch.Tensor) -> WeightAnnotation | None:
 def state_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> tuple[torch.Tensor, ...]:
     buffers = module._buffers
     return tuple(buffers[name] for name in ann.buffer_names(param_name))
+
+
+def state_dict_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> dict[str, torch.Tensor]:
+    """``{state key: tensor}`` of one annotated weight."""
+    return dict(zip(ann.recipe.state_names, state_of(module, param_name, ann)))
 
 
 def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> WeightAnnotation:
@@ -111,7 +121,7 @@ def _skip_reason(places, recipe: Recipe) -> tuple[str | None, int | None]:
             f"no known N:M layout for {type(module).__name__}.{pname}; supported: {SUPPORTED_LAYERS} "
             "(other layers are found by torch.compile(..., backend='nmsparse', options={'recipe': ...}))"
         ), None
-    return recipe.pattern.fits(param, dim), dim
+    return recipe.fits(param, dim), dim
 
 
 def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, strict: bool = False) -> AnnotationReport:

@@ -13,16 +13,34 @@ op                                 forward                          gradient w.r
                                                                     (= ``g + lam * (1 - mask) * w``)
 ``soft_threshold(w, beta, ...)``   ``beta * S(w)``                   ``g`` (straight-through, no beta)
 =================================  ==============================  ==================================
+
+Two ops replace the GEMM itself where a recipe changes its backward (the weight gradient, the
+input gradient's weight, or FP8 rounding); their forwards are the plain aten GEMMs:
+
+``linear(x, w, w_dgrad, bias, mvue_n, mvue_m, fp8)`` and
+``conv(x, w, w_dgrad, bias, stride, padding, dilation, groups, mvue_n, mvue_m)``:
+
+- DGRAD ``dX = dY * w_dgrad`` (``w_dgrad`` is ``w`` except for Bi-Mask's backward mask);
+- WGRAD ``dW = MVUE(dY)^T X`` with ``dY`` made ``mvue_n:mvue_m`` sparse along the tokens (the
+  batch and spatial positions for a conv), or the dense ``dY`` when ``mvue_n == 0``;
+- ``fp8``: the forward rounds ``x`` and ``w`` through e4m3, both backward GEMMs round their operands
+  through e5m2, each with a per-tensor scale ``FP8_MAX / amax``; accumulation stays float32.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import masks
 
-__all__ = ["prune", "prune_decay", "soft_threshold", "DECOMPOSITIONS"]
+__all__ = ["prune", "prune_decay", "soft_threshold", "linear", "conv", "fake_fp8", "DECOMPOSITIONS"]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 
 
 def _prune(w: Tensor, n: int, m: int, dim: int) -> Tensor:
@@ -82,9 +100,98 @@ prune.register_autograd(_straight_through)
 prune_decay.register_autograd(_decay_backward, setup_context=_decay_setup)
 soft_threshold.register_autograd(_soft_threshold_backward)
 
+def fake_fp8(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` rounded through the FP8 format ``dtype`` with a per-tensor scale ``max / amax(t)``."""
+    amax = t.detach().abs().amax().float()
+    scale = torch.where(amax > 0, FP8_MAX[dtype] / amax.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+    return ((t.float() * scale).to(dtype).float() / scale).to(t.dtype)
+
+
+def _mvue_along(t: Tensor, n: int, m: int, dim: int) -> Tensor:
+    """MVUE ``n:m`` of ``t`` along ``dim``, zero-padding that dimension to a multiple of ``m``."""
+    from .masks.mvue import mvue
+
+    size = t.shape[dim]
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, (-size) % m]
+    return mvue(F.pad(t, pad), n, m, dim).narrow(dim, 0, size)
+
+
+def _linear(x: Tensor, w: Tensor, w_dgrad: Tensor, bias: Optional[Tensor], mvue_n: int, mvue_m: int, fp8: bool) -> Tensor:
+    if fp8:
+        x, w = fake_fp8(x, E4M3), fake_fp8(w, E4M3)
+    return F.linear(x, w, bias)
+
+
+def _conv(
+    x: Tensor, w: Tensor, w_dgrad: Tensor, bias: Optional[Tensor], stride: list[int], padding: list[int],
+    dilation: list[int], groups: int, mvue_n: int, mvue_m: int,
+) -> Tensor:
+    return torch.ops.aten.convolution(x, w, bias, stride, padding, dilation, False, [0] * len(stride), groups)
+
+
+linear = torch.library.custom_op("nmsparse::linear", _linear, mutates_args=())
+conv = torch.library.custom_op("nmsparse::conv", _conv, mutates_args=())
+
+
+@linear.register_fake
+def _(x, w, w_dgrad, bias, mvue_n, mvue_m, fp8):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@conv.register_fake
+def _(x, w, w_dgrad, bias, stride, padding, dilation, groups, mvue_n, mvue_m):
+    return _conv(x, w, w_dgrad, bias, stride, padding, dilation, groups, mvue_n, mvue_m)
+
+
+def _gemm_setup(ctx, inputs, output):
+    x, w, w_dgrad, bias = inputs[:4]
+    ctx.has_bias = bias is not None
+    ctx.args = inputs[4:]
+    ctx.save_for_backward(x, w, w_dgrad)
+
+
+def _linear_backward(ctx, grad):
+    x, _, w_dgrad = ctx.saved_tensors
+    mvue_n, mvue_m, fp8 = ctx.args
+    g = grad.reshape(-1, grad.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    dx = None
+    if ctx.needs_input_grad[0]:
+        gd, wd = (fake_fp8(g, E5M2), fake_fp8(w_dgrad, E5M2)) if fp8 else (g, w_dgrad)
+        dx = (gd @ wd).reshape(x.shape)
+    gw = _mvue_along(g, mvue_n, mvue_m, 0) if mvue_n else g
+    if fp8:
+        gw, x2 = fake_fp8(gw, E5M2), fake_fp8(x2, E5M2)
+    dw = gw.t() @ x2
+    db = g.sum(0) if ctx.has_bias else None
+    return dx, dw, None, db, None, None, None
+
+
+def _conv_backward(ctx, grad):
+    x, w, w_dgrad = ctx.saved_tensors
+    stride, padding, dilation, groups, mvue_n, mvue_m = ctx.args
+    conv_args = (stride, padding, dilation, False, [0] * len(stride), groups)
+    dx = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.aten.convolution_backward(grad, x, w_dgrad, None, *conv_args, [True, False, False])[0]
+    gw = grad
+    if mvue_n:  # group along the WGRAD reduction: batch and spatial positions, per output channel
+        per_channel = grad.transpose(0, 1)
+        flat = _mvue_along(per_channel.reshape(per_channel.shape[0], -1), mvue_n, mvue_m, 1)
+        gw = flat.reshape(per_channel.shape).transpose(0, 1)
+    dw = torch.ops.aten.convolution_backward(gw, x, w, None, *conv_args, [False, True, False])[1]
+    db = grad.sum([d for d in range(grad.dim()) if d != 1]) if ctx.has_bias else None
+    return dx, dw, None, db, None, None, None, None, None, None
+
+
+linear.register_autograd(_linear_backward, setup_context=_gemm_setup)
+conv.register_autograd(_conv_backward, setup_context=_gemm_setup)
+
 #: Forward bodies given to Inductor so it traces (and fuses) the mask math.
 DECOMPOSITIONS = {
     torch.ops.nmsparse.prune.default: _prune,
     torch.ops.nmsparse.prune_decay.default: _prune_decay,
     torch.ops.nmsparse.soft_threshold.default: _soft_threshold,
+    torch.ops.nmsparse.linear.default: _linear,
+    torch.ops.nmsparse.conv.default: _conv,
 }

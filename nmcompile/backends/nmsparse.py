@@ -19,15 +19,15 @@ import dataclasses
 import difflib
 import logging
 import warnings
+import weakref
 
 import torch
 from torch import fx
 
 from .. import ops
 from ..annotate import ATTR, attach, state_of
-from ..passes import TRAIN_PASSES, PassContext, run_passes
+from ..passes import REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
 from ..passes._graph import source_name
-from ..passes.insert_nm_projections import insert_nm_projections
 from ..plan import Plan
 
 __all__ = ["nmsparse_backend"]
@@ -126,7 +126,8 @@ class _CompiledNM:
     """Calls the compiled graph with each weight's recipe state appended to the inputs.
 
     Instances of one model class share Dynamo's graph. When an instance's weights carry other
-    recipes than the compiled ones, a variant is compiled from the same graph and cached.
+    recipes than the compiled ones, or a framed recipe's schedule reaches a new frame, a variant is
+    compiled from the same graph and cached.
     """
 
     def __init__(self, base: fx.GraphModule, targets, slots, n_inputs: int, inner: str, patches: dict):
@@ -135,35 +136,61 @@ class _CompiledNM:
         self.variants: dict[tuple, object] = {}
         self.last = None
         self.compiled = None
+        self.seen: dict[int, tuple] = {}  # id(weight) -> (weakref, weight version, clock version)
         # variants are compiled outside Dynamo, for the shapes of the call that needs them
         self.dynamic = any(
             _is_symbolic(node.meta.get("example_value")) for node in base.graph.find_nodes(op="placeholder")
         )
 
-    def compile(self, anns, example_inputs):
-        key = tuple((ann.recipe, ann.dim) for ann in anns)
+    @staticmethod
+    def key(anns, frames) -> tuple:
+        return tuple((ann.recipe, ann.dim) for ann in anns), frames
+
+    def compile(self, anns, frames, example_inputs):
+        key = self.key(anns, frames)
         compiled = self.variants.get(key)
         if compiled is None:
-            compiled = self.variants[key] = self._compile_variant(anns, example_inputs)
-        self.last, self.compiled = anns, compiled
+            compiled = self.variants[key] = self._compile_variant(anns, frames, example_inputs)
+        self.last, self.compiled = (anns, frames), compiled
         return compiled
 
-    def _compile_variant(self, anns, example_inputs):
+    def _compile_variant(self, anns, frames, example_inputs):
         work = _copy(self.base)
         nodes = {node.name: node for node in work.graph.find_nodes(op="placeholder")}
         targets = []
-        for target, ann in zip(self.targets, anns):
+        for target, ann, frame in zip(self.targets, anns, frames):
             value = nodes[target.node.name].meta["example_value"]
-            reason = ann.recipe.pattern.fits(value, ann.dim)
+            reason = ann.recipe.fits(value, ann.dim)
             if ann.dim != target.dim or reason is not None or self.dynamic:
                 why = reason or ("the graph has dynamic shapes" if self.dynamic else "another layout")
-                raise RuntimeError(
-                    f"nmsparse: {target.fqn!r} was compiled with recipe {target.recipe} but this model "
-                    f"instance declares {ann.recipe} ({why}); call torch.compiler.reset() and compile it again"
+                hint = (
+                    "compile with torch.compile(..., dynamic=False) so that each schedule frame gets a static graph"
+                    if self.dynamic and ann.recipe.framed
+                    else "call torch.compiler.reset() and compile it again"
                 )
-            targets.append(dataclasses.replace(target, node=nodes[target.node.name], recipe=ann.recipe))
-        run_passes(work, (insert_nm_projections,), PassContext(targets=targets))
+                raise RuntimeError(
+                    f"nmsparse: {target.fqn!r} was compiled with recipe {target.recipe} (frame {target.frame}) "
+                    f"but this call needs {ann.recipe} (frame {frame}) ({why}); {hint}"
+                )
+            node = nodes[target.node.name]
+            targets.append(dataclasses.replace(target, node=node, recipe=ann.recipe, frame=frame))
+        run_passes(work, REWRITE_PASSES, PassContext(targets=targets))
         return _compile_inner(work, list(example_inputs), self.inner, self.patches)
+
+    def _check_clock(self, slot, module, step) -> None:
+        """Raise when the weight changed since the last call but its clock did not (no hook)."""
+        param = module._parameters[slot.param_name]
+        seen = self.seen.get(id(param))
+        if (
+            seen is not None and seen[0]() is param and param._version != seen[1]
+            and step._version == seen[2] and module.training and torch.is_grad_enabled()
+        ):
+            raise RuntimeError(
+                f"nmsparse: {slot.fqn!r} uses a recipe with a schedule on optimizer steps, and its weight "
+                "was updated without advancing that schedule; call nmcompile.hook_optimizer(model, optimizer) "
+                "once after creating the optimizer"
+            )
+        self.seen[id(param)] = (weakref.ref(param), param._version, step._version)
 
     def __call__(self, *args):
         n = self.n_inputs
@@ -171,9 +198,24 @@ class _CompiledNM:
         slots = self.slots
         anns = tuple([slot.annotation(owners[slot.owner]) for slot in slots])
         inputs = list(args[:n])
+        frames = []
         for slot, ann in zip(slots, anns):
-            inputs.extend(slot.state(owners[slot.owner], ann))
-        compiled = self.compiled if anns == self.last else self.compile(anns, inputs)
+            module = owners[slot.owner]
+            state = slot.state(module, ann)
+            inputs.extend(state)
+            recipe = ann.recipe
+            if recipe.clocked:
+                step = state[recipe.state_names.index("step")]
+                self._check_clock(slot, module, step)
+                frames.append(recipe.frame_at(ann.clock.read(step)) if recipe.framed else None)
+            else:
+                frames.append(None)
+        frames = tuple(frames)
+        last = self.last
+        if last is not None and last[1] == frames and last[0] == anns:
+            compiled = self.compiled
+        else:
+            compiled = self.compile(anns, frames, inputs)
         return compiled(*inputs)
 
 
@@ -234,7 +276,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     for t in ctx.targets:
         values = t.recipe.init_state(t.node.meta["grapharg"].example.detach(), t.dim)
         state.extend(values[key] for key in t.recipe.state_names)
-    key = tuple((t.recipe, t.dim) for t in ctx.targets)
+    key = (tuple((t.recipe, t.dim) for t in ctx.targets), tuple(t.frame for t in ctx.targets))
     runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches)
     _add_owner_inputs(gm, owners)
     return runner

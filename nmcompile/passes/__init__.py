@@ -9,13 +9,16 @@ from torch import fx
 from .context import NMTarget, PassContext
 from .find_nm_weights import find_nm_weights
 from .insert_nm_projections import insert_nm_projections
+from .rewrite_nm_consumers import rewrite_nm_consumers
 
-__all__ = ["PassContext", "NMTarget", "TRAIN_PASSES", "run_passes"]
+__all__ = ["PassContext", "NMTarget", "TRAIN_PASSES", "REWRITE_PASSES", "run_passes"]
 
 log = logging.getLogger("nmcompile")
 
-#: Training: find the weights and their recipes, then insert the recipe ops.
-TRAIN_PASSES = (find_nm_weights, insert_nm_projections)
+#: Rewrite known targets: insert the recipe ops, then give GEMMs the recipe's backward.
+REWRITE_PASSES = (insert_nm_projections, rewrite_nm_consumers)
+#: Training: find the weights and their recipes, then rewrite.
+TRAIN_PASSES = (find_nm_weights, *REWRITE_PASSES)
 
 
 def run_passes(gm: fx.GraphModule, passes, ctx: PassContext) -> PassContext:

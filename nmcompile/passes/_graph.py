@@ -98,3 +98,56 @@ def region_recipe(users) -> str | None:
         if "nmcompile" in custom:
             return custom["nmcompile"]
     return None
+
+
+def _ints(value, k: int) -> list[int] | None:
+    if isinstance(value, int):
+        return [value] * k
+    if isinstance(value, (tuple, list)) and len(value) == k and all(isinstance(v, int) for v in value):
+        return list(value)
+    return None
+
+
+def _conv_padding(padding, weight_shape, dilation: list[int]) -> list[int] | None:
+    if padding == "valid":
+        return [0] * len(dilation)
+    if padding == "same":  # symmetric only: each side gets half of d * (k - 1)
+        total = [d * (k - 1) for d, k in zip(dilation, weight_shape[2:])]
+        return [t // 2 for t in total] if all(t % 2 == 0 for t in total) else None
+    return _ints(padding, len(dilation))
+
+
+def gemm_operands(user: fx.Node, weight: fx.Node) -> dict | None:
+    """The operands of a GEMM/conv use of ``weight`` in the normalised form nmcompile's ops take.
+
+    ``{"kind": "linear", "x", "bias", "transposed"}`` (``transposed``: the weight is ``[in, out]``)
+    or ``{"kind": "conv", "x", "bias", "stride", "padding", "dilation", "groups"}``; None when the use
+    has another form (nn.MultiheadAttention's fused call, scaled addmm, an unbatched conv input).
+    """
+    target, args, kwargs = user.target, user.args, user.kwargs
+    if user.op != "call_function":
+        return None
+    if target in _LINEAR and args[1] is weight:
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return {"kind": "linear", "x": args[0], "bias": bias, "transposed": False}
+    if target is torch.addmm and args[2] is weight and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
+        return {"kind": "linear", "x": args[1], "bias": args[0], "transposed": True}
+    if target in _MATMUL and len(args) == 2 and args[1] is weight and weight.meta["example_value"].dim() == 2:
+        return {"kind": "linear", "x": args[0], "bias": None, "transposed": True}
+    if target in _CONV and args[1] is weight:
+        names = ("bias", "stride", "padding", "dilation", "groups")
+        defaults = (None, 1, 0, 1, 1)
+        values = [args[2 + i] if len(args) > 2 + i else kwargs.get(k, d) for i, (k, d) in enumerate(zip(names, defaults))]
+        bias, stride, padding, dilation, groups = values
+        w_shape = weight.meta["example_value"].shape
+        k = len(w_shape) - 2
+        x_val = args[0].meta.get("example_value") if isinstance(args[0], fx.Node) else None
+        stride, dilation = _ints(stride, k), _ints(dilation, k)
+        if x_val is None or x_val.dim() != k + 2 or stride is None or dilation is None or not isinstance(groups, int):
+            return None
+        padding = _conv_padding(padding, w_shape, dilation)
+        if padding is None:
+            return None
+        return {"kind": "conv", "x": args[0], "bias": bias, "stride": stride, "padding": padding,
+                "dilation": dilation, "groups": groups}
+    return None

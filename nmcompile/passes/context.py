@@ -19,6 +19,7 @@ class NMTarget:
     owner: object  # dynamo source of the owning module
     param_name: str  # attribute of the parameter on its module
     origin: str  # which declaration route chose the recipe
+    frame: int | None = None  # schedule frame to compile (framed recipes)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class PassContext:
     skipped: dict[str, str] = field(default_factory=dict)
     candidates: list[str] = field(default_factory=list)  # every weight consumed by a GEMM/conv
     declared: bool = False  # whether any route declared a recipe (even "dense") for some weight
+    projected: dict[str, tuple[fx.Node, fx.Node | None]] = field(default_factory=dict)  # fqn -> (fwd, dgrad)
 
     def __post_init__(self) -> None:
         self.declared = self.declared or self.options_plan is not None or self.env_plan is not None

@@ -64,10 +64,18 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
             if ann is not None and ann.dim != dim:
                 skip = f"annotated for reduction dim {ann.dim} but the graph reduces dim {dim}"
             else:
-                skip = recipe.pattern.fits(param, dim)
+                skip = recipe.fits(param, dim)
+            if skip is None and recipe.rewrites_consumer:
+                fixed = [u.format_node() for u in users if _graph.gemm_operands(u, node) is None]
+                if fixed:
+                    skip = (
+                        f"{recipe} changes the GEMM's backward, which nmcompile can do for linear, addmm, "
+                        f"x @ W and batched conv1d/conv2d calls, not for {fixed[0]}"
+                    )
         if skip is not None:
             ctx.skipped[fqn] = f"{skip} (recipe {recipe} from {origin})"
             continue
-        ctx.targets.append(NMTarget(node, fqn, recipe, dim, owner[0], owner[1], origin))
+        frame = recipe.frame_at(0) if recipe.framed else None
+        ctx.targets.append(NMTarget(node, fqn, recipe, dim, owner[0], owner[1], origin, frame))
         found += 1
     return found

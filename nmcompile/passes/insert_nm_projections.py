@@ -21,6 +21,7 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
     if not ctx.targets:
         return 0
     graph = gm.graph
+    model_users = {t.fqn: set(t.node.users) for t in ctx.targets}
     tracer = GraphAppendingTracer(graph)
     last = list(graph.find_nodes(op="placeholder"))[-1]
     fake_mode = ctx.targets[0].node.meta["example_value"].fake_mode
@@ -37,14 +38,21 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
         for key, node in zip(target.recipe.state_names, state_nodes):
             node.meta["example_value"] = state_vals[key]
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        weight_proxy = fx.Proxy(target.node, tracer)
+        state_proxies = [fx.Proxy(n, tracer) for n in state_nodes]
         with graph.inserting_before(first_op):
-            proxy = target.recipe.project(
-                fx.Proxy(target.node, tracer), *(fx.Proxy(n, tracer) for n in state_nodes), dim=target.dim
-            )
-        projected = proxy.node
+            frame = {} if target.frame is None else {"frame": target.frame}
+            projected = target.recipe.project(weight_proxy, *state_proxies, dim=target.dim, **frame).node
+            dgrad = target.recipe.dgrad_weight(weight_proxy, *state_proxies, dim=target.dim)
+            dgrad = None if dgrad is None else dgrad.node
+        before = model_users[target.fqn]
         with fake_mode:
-            projected.meta["example_value"] = torch.empty_like(weight_val)
-        target.node.replace_all_uses_with(projected, delete_user_cb=lambda user: user is not projected)
+            for node in (projected, dgrad):
+                if node is not None:
+                    node.meta["example_value"] = torch.empty_like(weight_val)
+        for user in before:  # the model's uses of the weight (not the recipe's own ops)
+            user.replace_input_with(target.node, projected)
+        ctx.projected[target.fqn] = (projected, dgrad)
     graph.lint()
     gm.recompile()
     return len(ctx.targets)

@@ -9,9 +9,13 @@ from typing import ClassVar
 
 import torch
 
+from .. import masks
 from ..pattern import NMPattern
 
-WGRAD_CHOICES = ("dense",)
+#: weight-gradient estimators: the dense gradient, or MVUE N:M sparsification of the output gradient
+#: along the token dimension (the WGRAD GEMM's reduction), unbiased and of minimum variance
+WGRAD_CHOICES = ("dense", "mvue12", "mvue24")
+MVUE_PATTERNS = {"mvue12": (1, 2), "mvue24": (2, 4)}
 
 
 def nearest(word: str, choices) -> str:
@@ -30,6 +34,12 @@ class Recipe:
 
     name: ClassVar[str] = ""
     state_names: ClassVar[tuple[str, ...]] = ()
+    #: the state holds ``step``, a 0-d int64 count of optimizer steps advanced by
+    #: :func:`nmcompile.hook_optimizer` (schedules run on optimizer steps, not forwards)
+    clocked: ClassVar[bool] = False
+    #: the projection's shapes depend on the step (a schedule of N:M patterns): the backend
+    #: compiles one graph per frame, see :meth:`frame_at`
+    framed: ClassVar[bool] = False
 
     n: int = 2  # kept weights per group
     m: int = 4  # group size along the reduction dimension
@@ -47,13 +57,51 @@ class Recipe:
     def pattern(self) -> NMPattern:
         return NMPattern(self.n, self.m)
 
+    def fits(self, weight: torch.Tensor, dim: int) -> str | None:
+        """Why ``weight`` (grouped along ``dim``) cannot take this recipe, or None if it can."""
+        return self.pattern.fits(weight, dim)
+
     def init_state(self, weight: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
         """Fresh state tensors for ``weight`` (grouped along ``dim``), keyed by ``state_names``."""
         return {}
 
-    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
-        """The weight the forward uses: a differentiable function of ``weight`` and the state."""
+    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int, frame: int | None = None) -> torch.Tensor:
+        """The weight the forward uses: a differentiable function of ``weight`` and the state.
+
+        ``frame`` is given only to framed recipes when they are compiled; in eager use they read it
+        from their ``step`` state.
+        """
         raise NotImplementedError
+
+    def dgrad_weight(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """The weight the input gradient (DGRAD) uses, when it differs from the forward's (Bi-Mask)."""
+        return None
+
+    def mask(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
+        """The boolean mask the forward applies now (diagnostics: flip rate, SAD)."""
+        return masks.keep_mask(weight.detach(), self.n, self.m, dim)
+
+    def frame_at(self, step: int) -> int:
+        """Index of the schedule frame at optimizer step ``step`` (framed recipes only)."""
+        return 0
+
+    @property
+    def mvue(self) -> tuple[int, int] | None:
+        """The N:M pattern of the MVUE weight-gradient estimator, or None for the dense gradient."""
+        return MVUE_PATTERNS.get(self.wgrad)
+
+    @property
+    def rewrites_consumer(self) -> bool:
+        """Whether the GEMM itself needs nmcompile's op (its backward differs from aten's)."""
+        return self.mvue is not None or getattr(self, "fp8", False) or type(self).dgrad_weight is not Recipe.dgrad_weight
+
+    # Called by nmcompile.hook_optimizer with every weight that carries this recipe
+    # (a list of nmcompile.optimizer_hook.Tracked), in place and under no_grad.
+    def before_step(self, weights, optimizer) -> None:
+        """Before each optimizer step (STEP reads the gradients and Adam's state here)."""
+
+    def after_step(self, weights, optimizer, step: int) -> None:
+        """After each optimizer step, once the clocks read ``step`` (refresh masks on a schedule)."""
 
     def __str__(self) -> str:
         parts = [f"{self.name}:{self.n}:{self.m}"]

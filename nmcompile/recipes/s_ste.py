@@ -5,6 +5,11 @@ group and zeroes the rest, a continuous projection onto N:M. ``beta = <W, S(W)> 
 one per-tensor scale, computed once from the weights when the weight is first annotated or compiled
 and then kept fixed (recomputing it lets it grow and raises the flip rate). Backward is
 straight-through: the gradient reaches ``W`` unscaled and unmasked. State: ``beta`` (0-d float32).
+
+``fp8=True`` simulates the paper's FP8 training GEMMs: the forward casts ``X`` and ``W^`` to e4m3,
+both backward GEMMs cast their operands to e5m2, each with a per-tensor scale ``max / amax`` taken
+from the tensor itself; products accumulate in float32. With ``wgrad="mvue24"`` this is the full
+S-STE recipe.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ class SSTE(Recipe):
     name = "s_ste"
     state_names = ("beta",)
 
+    fp8: bool = False  # simulate FP8 GEMMs (e4m3 forward, e5m2 backward, per-tensor dynamic scales)
+
     def init_state(self, weight: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
         return {"beta": masks.soft_threshold_scale(weight, self.n, self.m, dim)}
 
-    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
+    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int, frame=None) -> torch.Tensor:
         (beta,) = state
         return torch.ops.nmsparse.soft_threshold(weight, beta, self.n, self.m, dim)

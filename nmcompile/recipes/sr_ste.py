@@ -25,5 +25,5 @@ class SRSTE(Recipe):
         if not self.decay >= 0:
             raise ValueError(f"sr_ste: decay must be >= 0 (paper default 2e-4), got {self.decay}")
 
-    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
+    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int, frame=None) -> torch.Tensor:
         return torch.ops.nmsparse.prune_decay(weight, self.n, self.m, dim, float(self.decay))

@@ -18,5 +18,5 @@ from .base import Recipe
 class STE(Recipe):
     name = "ste"
 
-    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
+    def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int, frame=None) -> torch.Tensor:
         return torch.ops.nmsparse.prune(weight, self.n, self.m, dim)

@@ -1,0 +1,131 @@
+"""Mask dynamics recorded while training: flip rate, SAD, and STEP's Z_t and switch step.
+
+:func:`nmcompile.hook_optimizer` records, every ``diagnostics_every`` optimizer steps and for every
+annotated weight, the mask the forward applies and compares it with the previous record and the
+first one. Values stay device tensors until read (no sync while training):
+
+- ``flip_rate``: the fraction of mask positions that changed since the previous record;
+- ``sad``: the number of positions that differ from the first recorded mask (sparse architecture
+  divergence);
+- for STEP: ``z`` (the second-moment change Z_t of each phase-1 step) and ``switch_step``.
+
+:func:`diagnostics` returns them per weight; :func:`plot_diagnostics` draws them into a PNG.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+__all__ = ["Trace", "diagnostics", "plot_diagnostics"]
+
+
+class _Series:
+    __slots__ = ("steps", "values", "size")
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.values: torch.Tensor | None = None
+        self.size = 0
+
+    def append(self, step: int, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        if self.values is None:
+            self.values = value.new_zeros(64)
+        elif self.size == self.values.numel():  # grow by doubling: amortised O(1) per record
+            self.values = torch.cat([self.values, torch.zeros_like(self.values)])
+        self.values[self.size] = value
+        self.size += 1
+        self.steps.append(step)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        values = self.values[: self.size].cpu() if self.values is not None else torch.zeros(0)
+        return torch.tensor(self.steps, dtype=torch.int64), values
+
+
+class Trace:
+    """The diagnostics of one weight (kept on its annotation, not in the state dict)."""
+
+    def __init__(self) -> None:
+        self.series: dict[str, _Series] = {}
+        self.first: torch.Tensor | None = None
+        self.previous: torch.Tensor | None = None
+
+    def append(self, name: str, step: int, value: torch.Tensor) -> None:
+        self.series.setdefault(name, _Series()).append(step, value)
+
+    def record_mask(self, step: int, mask: torch.Tensor) -> None:
+        if self.previous is not None and self.previous.shape == mask.shape:
+            self.append("flip_rate", step, (mask ^ self.previous).sum() / mask.numel())
+            self.append("sad", step, (mask ^ self.first).sum())
+        else:
+            self.first = mask
+        self.previous = mask
+
+    def read(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, series in self.series.items():
+            steps, values = series.read()
+            out[name] = values
+            out[f"{name}_steps"] = steps
+        return out
+
+
+def diagnostics(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """``{weight name: {series: tensor}}`` recorded so far by :func:`nmcompile.hook_optimizer`.
+
+    Series: ``flip_rate`` and ``sad`` (with ``flip_rate_steps``/``sad_steps``, the optimizer steps
+    they were taken at); STEP weights add ``z``/``z_steps`` and ``switch_step`` (-1 before the
+    switch). Weights with nothing recorded yet map to an empty dict.
+    """
+    from .annotate import _owners, annotation_of, state_dict_of
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, places in _owners(model):
+        _, module, pname = places[0]
+        ann = annotation_of(module._parameters[pname])
+        if ann is None:
+            continue
+        entry = ann.trace.read()
+        state = state_dict_of(module, pname, ann) if all(
+            b in module._buffers for b in ann.buffer_names(pname)
+        ) else {}
+        if "switch_step" in state:
+            entry["switch_step"] = state["switch_step"].detach().cpu()
+        out[name] = entry
+    return out
+
+
+def plot_diagnostics(diag: dict[str, dict[str, torch.Tensor]], path: str | os.PathLike) -> str:
+    """Draw :func:`diagnostics` output (flip rate, SAD, and Z_t when present) into a PNG at ``path``."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(
+            "plot_diagnostics needs matplotlib: pip install 'nmcompile[plot]' (or pip install matplotlib)"
+        ) from err
+    panels = [("flip_rate", "flip rate"), ("sad", "SAD (positions changed since the first record)")]
+    if any("z" in entry for entry in diag.values()):
+        panels.append(("z", "STEP Z_t (second-moment change)"))
+    fig = Figure(figsize=(7, 2.6 * len(panels)), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (key, title) in zip(axes, panels):
+        for name, entry in diag.items():
+            if key in entry and entry[key].numel():
+                ax.plot(entry[f"{key}_steps"].numpy(), entry[key].numpy(), label=name, linewidth=1)
+            switch = entry.get("switch_step")
+            if key == "z" and switch is not None and int(switch) >= 0:
+                ax.axvline(int(switch), color="k", linestyle="--", linewidth=0.8)
+        ax.set_title(title, fontsize=9)
+        if key == "z":
+            ax.set_yscale("log")
+        ax.set_xlabel("optimizer step", fontsize=8)
+    if diag:
+        axes[0].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), format="png")
+    return os.fspath(path)

@@ -1,0 +1,129 @@
+"""Connecting recipe schedules to the user's optimizer through its hook API.
+
+``nmcompile.hook_optimizer(model, optimizer)`` registers a step pre-hook and post-hook on the
+optimizer (``Optimizer.register_step_pre_hook``/``register_step_post_hook``; the optimizer object
+and its class are left as they are). On every ``optimizer.step()``:
+
+1. before the step, each recipe's ``before_step`` sees its weights (STEP reads gradients and
+   Adam's moments here, and in its second phase performs the frozen-moment update itself);
+2. after the step, the ``step`` clock of every clocked weight advances by one, each recipe's
+   ``after_step`` runs its schedule (refresh a mask every k steps, re-search a permutation), and
+   the mask diagnostics are recorded every ``diagnostics_every`` steps.
+
+Schedules therefore run on optimizer steps: gradient accumulation does not speed them up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .annotate import ATTR, WeightAnnotation, _owners, state_dict_of
+from .clock import StepMirror
+
+__all__ = ["hook_optimizer", "OptimizerHook", "Tracked"]
+
+
+@dataclass
+class Tracked:
+    """One annotated weight as a recipe's optimizer-time code sees it."""
+
+    name: str
+    module: nn.Module
+    param_name: str
+    ann: WeightAnnotation
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # refreshed before every call
+    step: int = 0  # the weight's clock after the step (clocked recipes)
+    scratch: dict = field(default_factory=dict)  # per-step values a recipe passes from before to after
+
+    @property
+    def param(self) -> torch.Tensor:
+        return self.module._parameters[self.param_name]
+
+    def mirror(self, key: str) -> StepMirror:
+        """A Python copy of the 0-d state tensor ``key`` (see :class:`nmcompile.clock.StepMirror`)."""
+        return self.scratch.setdefault(("mirror", key), StepMirror())
+
+
+class OptimizerHook:
+    """The handle :func:`hook_optimizer` returns; ``remove()`` detaches it."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, diagnostics_every: int):
+        self.model, self.optimizer, self.diagnostics_every = model, optimizer, diagnostics_every
+        self.steps = 0  # optimizer steps seen by this hook
+        self._key: tuple | None = None
+        self._groups: dict = {}
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before),
+            optimizer.register_step_post_hook(self._after),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def tracked(self) -> dict:
+        """``{recipe: [Tracked, ...]}`` for the annotated weights the optimizer updates."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        key = tuple(id(getattr(p, ATTR, None)) for p in params)
+        if key != self._key:  # annotations appeared (first forward of an options route) or changed
+            in_optimizer = {id(p) for p in params}
+            groups: dict = {}
+            for name, places in _owners(self.model):
+                _, module, pname = places[0]
+                param = module._parameters[pname]
+                ann = getattr(param, ATTR, None)
+                if ann is not None and id(param) in in_optimizer:
+                    groups.setdefault(ann.recipe, []).append(Tracked(name, module, pname, ann))
+            self._key, self._groups = key, groups
+        for weights in self._groups.values():
+            for w in weights:
+                w.state = state_dict_of(w.module, w.param_name, w.ann)
+        return self._groups
+
+    def _before(self, optimizer, args, kwargs) -> None:
+        with torch.no_grad():
+            for recipe, weights in self.tracked().items():
+                recipe.before_step(weights, optimizer)
+
+    def _after(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+        record = self.diagnostics_every and self.steps % self.diagnostics_every == 0
+        with torch.no_grad():
+            for recipe, weights in self._groups.items():
+                for w in weights:
+                    w.step = w.ann.clock.advance(w.state["step"]) if recipe.clocked else self.steps
+                recipe.after_step(weights, optimizer)
+                if record:
+                    for w in weights:
+                        mask = recipe.mask(w.param, *w.state.values(), dim=w.ann.dim)
+                        w.ann.trace.record_mask(w.step, mask)
+
+
+def hook_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, diagnostics_every: int = 1) -> OptimizerHook:
+    """Run the recipes' schedules and diagnostics on ``optimizer``'s steps.
+
+    Needed by recipes with a schedule (``step``, ``mdgf``, ``sdgf``, ``transposable``, ``bi_mask``);
+    harmless for the others, for which it records diagnostics. Call it once, after creating the
+    optimizer; the compiled model raises if such a recipe trains without it.
+
+    Args:
+        model: the annotated (or compiled) model whose weights ``optimizer`` updates.
+        optimizer: any ``torch.optim.Optimizer`` (STEP needs ``Adam`` or ``AdamW``).
+        diagnostics_every: record flip rate and SAD every this many steps (0: never).
+
+    Returns:
+        An :class:`OptimizerHook`; ``.remove()`` detaches it.
+    """
+    if isinstance(model, torch.optim.Optimizer) and isinstance(optimizer, nn.Module):
+        raise TypeError("hook_optimizer takes (model, optimizer), in that order")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hook_optimizer: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"hook_optimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(diagnostics_every, bool) or not isinstance(diagnostics_every, int) or diagnostics_every < 0:
+        raise ValueError(f"hook_optimizer: diagnostics_every must be an int >= 0, got {diagnostics_every!r}")
+    return OptimizerHook(model, optimizer, diagnostics_every)
