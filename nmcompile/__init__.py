@@ -8,8 +8,10 @@ CUDA code.
 from . import ops as _ops  # registers the nmsparse:: custom ops
 from . import recipes
 from .annotate import AnnotationReport, annotate
+from .diagnostics import diagnostics, plot_diagnostics
 from .inspection import CheckReport, check, effective_weights
 from .pattern import NMPattern
+from .optimizer_hook import hook_optimizer
 from .plan import Plan
 from .recipes import parse as recipe
 from .region import region
@@ -19,6 +21,9 @@ __all__ = [
     "AnnotationReport",
     "check",
     "CheckReport",
+    "diagnostics",
+    "hook_optimizer",
+    "plot_diagnostics",
     "effective_weights",
     "NMPattern",
     "Plan",

@@ -79,11 +79,13 @@ class AnnotationReport:
 
     annotated: dict[str, Recipe] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    prepared: dict[str, object] = field(default_factory=dict)  # recipe string -> its model-level report
 
     def __str__(self) -> str:
         lines = [f"nmcompile: {len(self.annotated)} weights annotated, {len(self.skipped)} skipped"]
         lines += [f"  + {name}: {recipe}" for name, recipe in self.annotated.items()]
         lines += [f"  - {name}: {reason}" for name, reason in self.skipped.items()]
+        lines += [f"  {recipe}: {report}" for recipe, report in self.prepared.items() if report is not None]
         return "\n".join(lines)
 
 
@@ -146,6 +148,7 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
         raise TypeError(f"annotate takes an nn.Module, got {type(model).__name__}")
     plan = Plan.build(recipe_or_rules, include=include, exclude=exclude)
     report = AnnotationReport()
+    chosen = []
     for name, places in _owners(model):
         _, module, pname = places[0]
         if module._parameters[pname].dim() < 2:
@@ -160,6 +163,10 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
                 raise ValueError(f"cannot apply {recipe} to {name!r}: {reason}")
             report.skipped[name] = reason
             continue
+        chosen.append((name, module, pname, recipe, dim))
+    for recipe in dict.fromkeys(r for *_, r, _ in chosen):  # model-level work first (ASP permutes)
+        report.prepared[str(recipe)] = recipe.prepare(model, [n for n, *_, r, _ in chosen if r == recipe])
+    for name, module, pname, recipe, dim in chosen:
         attach(module, pname, recipe, dim)
         report.annotated[name] = recipe
     return report

@@ -12,6 +12,7 @@ op                                 forward                          gradient w.r
 ``prune_decay(w, n, m, dim, lam)`` top-n of every m                 ``g + lam * (w - out)``
                                                                     (= ``g + lam * (1 - mask) * w``)
 ``soft_threshold(w, beta, ...)``   ``beta * S(w)``                   ``g`` (straight-through, no beta)
+``backward_mask_weight(w, perm,..)`` Bi-Mask's DGRAD weight ``W*B``   none (used on detached weights)
 =================================  ==============================  ==================================
 
 Two ops replace the GEMM itself where a recipe changes its backward (the weight gradient, the
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from . import masks
 
-__all__ = ["prune", "prune_decay", "soft_threshold", "linear", "conv", "fake_fp8", "DECOMPOSITIONS"]
+__all__ = ["prune", "prune_decay", "soft_threshold", "backward_mask_weight", "linear", "conv", "fake_fp8", "DECOMPOSITIONS"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -129,6 +130,32 @@ def _conv(
     return torch.ops.aten.convolution(x, w, bias, stride, padding, dilation, False, [0] * len(stride), groups)
 
 
+def _backward_mask_weight(w: Tensor, perm: Tensor, n: int, m: int, dim: int) -> Tensor:
+    """Bi-Mask's DGRAD weight ``W * B``.
+
+    ``F`` is the forward mask (top-n of m along ``dim``). ``B`` groups the output axis in the
+    order ``perm``: within each group of m permuted output rows, the n largest ``|W * F|`` that
+    ``F`` also keeps; then ``B`` is put back in the original row order.
+    """
+    out_axis = 1 if dim == 0 else 0
+    forward = masks.keep_mask(w, n, m, dim)
+    kept = torch.where(forward, w, 0)
+    backward = masks.keep_mask(kept.index_select(out_axis, perm), n, m, out_axis)
+    backward = backward & forward.index_select(out_axis, perm)
+    backward = backward.index_select(out_axis, torch.argsort(perm))
+    return torch.where(backward, w, 0)
+
+
+backward_mask_weight = torch.library.custom_op(
+    "nmsparse::backward_mask_weight", _backward_mask_weight, mutates_args=()
+)
+
+
+@backward_mask_weight.register_fake
+def _(w, perm, n, m, dim):
+    return w.new_empty(w.shape)
+
+
 linear = torch.library.custom_op("nmsparse::linear", _linear, mutates_args=())
 conv = torch.library.custom_op("nmsparse::conv", _conv, mutates_args=())
 
@@ -192,6 +219,7 @@ DECOMPOSITIONS = {
     torch.ops.nmsparse.prune.default: _prune,
     torch.ops.nmsparse.prune_decay.default: _prune_decay,
     torch.ops.nmsparse.soft_threshold.default: _soft_threshold,
+    torch.ops.nmsparse.backward_mask_weight.default: _backward_mask_weight,
     torch.ops.nmsparse.linear.default: _linear,
     torch.ops.nmsparse.conv.default: _conv,
 }

@@ -76,3 +76,48 @@ def effective(recipe, w, dim=1, beta_value=None):
     if recipe.name == "s_ste":
         return SSTE.apply(w, beta_value, recipe.n, recipe.m, dim)
     raise ValueError(recipe.name)
+
+
+# ---- scheduled recipes (STEP, MDGF, SDGF) and the GEMM-level ones (Bi-Mask) ----
+
+
+def mdgf_alpha(step, coef, schedule="exp", dense_steps=0, finetune_start=None):
+    """alpha_t of mask decay: 1 while dense, then exp(-c s) or max(0, 1 - c s), 0 in fine-tuning."""
+    import math
+
+    if step < dense_steps:
+        return 1.0
+    if finetune_start is not None and step >= finetune_start:
+        return 0.0
+    s = step - dense_steps
+    return math.exp(-coef * s) if schedule == "exp" else max(0.0, 1 - coef * s)
+
+
+def mdgf_weight(w, n, m, alpha, dim=1):
+    mask = topn_mask(w, n, m, dim)
+    return w * (mask + (~mask) * alpha)
+
+
+def bi_mask_backward_mask(w, perm, n, m):
+    """Bi-Mask's B for a weight [out, in, k...], one output column group at a time (loops, no tricks)."""
+    f = topn_mask(w, n, m, 1).flatten(1)
+    ws = (w.flatten(1) * f)[perm]
+    fp = f[perm]
+    b_perm = torch.zeros_like(f)
+    out, cols = f.shape
+    for c in range(cols):
+        for g in range(0, out, m):
+            column = ws[g : g + m, c].abs()
+            order = torch.sort(-column, stable=True).indices[:n]
+            for i in order.tolist():
+                b_perm[g + i, c] = bool(fp[g + i, c])
+    b = torch.zeros_like(b_perm)
+    b[perm] = b_perm
+    return b.reshape(w.shape)
+
+
+def fake_fp8(t, dtype):
+    """Round t through an FP8 format with the per-tensor scale max/amax (S-STE's simulation)."""
+    top = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
+    scale = top / t.abs().max()
+    return (t * scale).to(dtype).to(t.dtype) / scale

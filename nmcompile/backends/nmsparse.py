@@ -112,6 +112,13 @@ class _Slot:
     def annotation(self, module):
         ann = getattr(module._parameters[self.param_name], ATTR, None)
         if ann is None:  # first time this instance is seen (options / env / region route)
+            if self.recipe.prepares_model:
+                warnings.warn(
+                    f"nmsparse: {self.fqn!r} gets {self.recipe} without its model-level preparation "
+                    f"(channel permutation), which only nmcompile.annotate(model, {str(self.recipe)!r}) "
+                    "can run; its mask was computed on the weights as they are",
+                    stacklevel=2,
+                )
             ann = attach(module, self.param_name, self.recipe, self.dim)
         return ann
 
@@ -274,7 +281,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     # the declared recipes are the first variant; example state comes from these weights
     state = []
     for t in ctx.targets:
-        values = t.recipe.init_state(t.node.meta["grapharg"].example.detach(), t.dim)
+        values = t.recipe.example_state(t.node.meta["grapharg"].example.detach(), t.dim)
         state.extend(values[key] for key in t.recipe.state_names)
     key = (tuple((t.recipe, t.dim) for t in ctx.targets), tuple(t.frame for t in ctx.targets))
     runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches)

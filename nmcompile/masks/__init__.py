@@ -3,8 +3,17 @@
 Every function groups ``m`` consecutive elements along ``dim`` (see :mod:`nmcompile.pattern`).
 
 - :mod:`.topn`: top-N of M masks, pruning, S-STE's soft threshold and its scale.
+- :mod:`.mvue`: the minimum-variance unbiased N:M estimator for gradients.
+- :mod:`.transposable`: masks that are N:M along both axes of every M x M tile.
+- :mod:`.permutation`: channel orders that raise the magnitude an N:M mask keeps.
 """
 
+from .mvue import inclusion_probabilities, mvue, mvue_variance
 from .topn import count_violations, keep_mask, prune, soft_threshold, soft_threshold_scale
+from .transposable import is_transposable, tile_counts, transposable_mask
 
-__all__ = ["keep_mask", "prune", "soft_threshold", "soft_threshold_scale", "count_violations"]
+__all__ = [
+    "keep_mask", "prune", "soft_threshold", "soft_threshold_scale", "count_violations",
+    "mvue", "mvue_variance", "inclusion_probabilities",
+    "transposable_mask", "is_transposable", "tile_counts",
+]

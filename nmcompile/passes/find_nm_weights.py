@@ -66,8 +66,11 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
             else:
                 skip = recipe.fits(param, dim)
             if skip is None and recipe.rewrites_consumer:
-                fixed = [u.format_node() for u in users if _graph.gemm_operands(u, node) is None]
-                if fixed:
+                forms = [(u, _graph.gemm_operands(u, node)) for u in users]
+                fixed = [u.format_node() for u, ops in forms if ops is None]
+                if getattr(recipe, "fp8", False) and any(ops and ops["kind"] == "conv" for _, ops in forms):
+                    skip = f"{recipe}: the FP8 simulation covers linear GEMMs, not convolutions"
+                elif fixed:
                     skip = (
                         f"{recipe} changes the GEMM's backward, which nmcompile can do for linear, addmm, "
                         f"x @ W and batched conv1d/conv2d calls, not for {fixed[0]}"

@@ -34,7 +34,7 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
             last._dynamo_source = None  # a backend-made input: no Dynamo source, passed in by the runner
             state_nodes.append(last)
         with fake_mode:
-            state_vals = target.recipe.init_state(weight_val.detach(), target.dim)
+            state_vals = target.recipe.example_state(weight_val.detach(), target.dim)
         for key, node in zip(target.recipe.state_names, state_nodes):
             node.meta["example_value"] = state_vals[key]
         first_op = next(n for n in graph.nodes if n.op != "placeholder")

@@ -7,14 +7,33 @@ from __future__ import annotations
 
 import dataclasses
 
+from .asp import ASP
 from .base import Recipe, nearest
+from .bi_mask import BiMask
+from .mdgf import MDGF
 from .s_ste import SSTE
+from .sdgf import SDGF
 from .sr_ste import SRSTE
 from .ste import STE
+from .step import STEP
+from .transposable import Transposable
 
-__all__ = ["Recipe", "STE", "SRSTE", "SSTE", "RECIPES", "parse", "get"]
+__all__ = [
+    "Recipe", "STE", "SRSTE", "SSTE", "STEP", "MDGF", "SDGF", "BiMask", "Transposable", "ASP",
+    "RECIPES", "parse", "get",
+]
 
-RECIPES: dict[str, type[Recipe]] = {"ste": STE, "sr_ste": SRSTE, "s_ste": SSTE}
+RECIPES: dict[str, type[Recipe]] = {
+    "ste": STE,
+    "sr_ste": SRSTE,
+    "s_ste": SSTE,
+    "step": STEP,
+    "mdgf": MDGF,
+    "sdgf": SDGF,
+    "bi_mask": BiMask,
+    "transposable": Transposable,
+    "asp": ASP,
+}
 
 
 def get(name: str, **overrides) -> Recipe:

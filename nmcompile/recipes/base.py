@@ -65,6 +65,22 @@ class Recipe:
         """Fresh state tensors for ``weight`` (grouped along ``dim``), keyed by ``state_names``."""
         return {}
 
+    def example_state(self, weight: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+        """State of the right shapes and dtypes for compiling (values unused; may run on fake tensors)."""
+        return self.init_state(weight, dim)
+
+    def prepare(self, model, names: list[str]):
+        """Model-level work before the weights ``names`` get this recipe (ASP's channel permutation).
+
+        Called by :func:`nmcompile.annotate`; returns a report or None.
+        """
+        return None
+
+    @property
+    def prepares_model(self) -> bool:
+        """Whether :meth:`prepare` changes the model (then only ``annotate`` can declare it fully)."""
+        return False
+
     def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int, frame: int | None = None) -> torch.Tensor:
         """The weight the forward uses: a differentiable function of ``weight`` and the state.
 
@@ -100,8 +116,8 @@ class Recipe:
     def before_step(self, weights, optimizer) -> None:
         """Before each optimizer step (STEP reads the gradients and Adam's state here)."""
 
-    def after_step(self, weights, optimizer, step: int) -> None:
-        """After each optimizer step, once the clocks read ``step`` (refresh masks on a schedule)."""
+    def after_step(self, weights, optimizer) -> None:
+        """After each optimizer step, once each weight's clock reads ``Tracked.step`` (refresh masks)."""
 
     def __str__(self) -> str:
         parts = [f"{self.name}:{self.n}:{self.m}"]

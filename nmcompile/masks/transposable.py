@@ -1,0 +1,410 @@
+"""Transposable N:M masks: N kept in every row *and* every column of each M x M tile.
+
+Reference: Hubara et al., "Accelerated Sparse Neural Training: A Provable and Efficient Method to
+Find N:M Transposable Masks", NeurIPS 2021.
+
+A mask is transposable N:M when, cutting axes 0 and 1 of the weight into M x M tiles, every tile
+holds exactly N ones in each of its M rows and each of its M columns, so both ``W`` (grouped
+along axis 1) and ``W.T`` (grouped along axis 0) are N:M and one mask serves the forward and the
+backward GEMM. Trailing axes (conv kernel positions of an ``[out, in, kh, kw]`` weight) are a
+batch: each kernel position's ``[out, in]`` matrix is tiled on its own.
+
+Each solver keeps as much magnitude as it can, tile by tile (``sum |w| * mask``):
+
+- ``"exact"``: an optimal mask. For M <= 4 (2:4, 1:4, 3:4, ...) every valid tile pattern is
+  enumerated (90 for 2:4) and all tiles are scored against all patterns in one matmul. For larger
+  M, a max-weight bipartite b-matching per tile (rows and columns of degree N, each entry used at
+  most once), solved by successive shortest paths as a min-cost flow, all tiles in lockstep.
+- ``"greedy"``: visit a tile's entries by decreasing magnitude and take each one whose row and
+  column both still have fewer than N, then repair the tiles where that gets stuck (see
+  :func:`_greedy_tiles`). Keeps at least half of the optimum in every tile.
+- ``"auto"``: ``"exact"`` where it is a table look-up (M <= 4, so 2:4), ``"greedy"`` otherwise.
+
+Determinism: every choice between equal candidates goes to the lowest index (stable sorts, first
+arg-min/arg-max), so a given input always gives the same mask. The exact solvers work on
+magnitudes rounded to integer multiples of ``2**-40`` times the tile's largest magnitude and
+score them in float64, where all their sums are exact: ties are true ties and CPU and CUDA agree.
+That rounding can cost at most ``N*M * 2**-40`` of the tile's largest magnitude, far below what a
+float32 sum of the kept weights can resolve. Greedy scores in float32. NaN magnitudes count as 0
+and infinite ones as the largest float32.
+
+These are eager functions for pruning and periodic mask updates; they loop in Python with
+data-dependent exits and are not meant to be traced by ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+
+import torch
+
+__all__ = ["transposable_mask", "tile_counts", "is_transposable"]
+
+_METHODS = ("auto", "exact", "greedy")
+_QUANT_BITS = 40  # exact solvers: magnitudes become integers <= 2**40, float64 sums exact for m < 4096
+_MAX_TABLE_M = 4  # exact by enumeration up to 4x4 tiles (at most 90 patterns, 16 entries each)
+
+# tiles per chunk, so that the per-chunk work tensors stay around tens of MB
+_TABLE_CHUNK = 1 << 16
+_FLOW_ELEMS = 1 << 20
+_GREEDY_ELEMS = 1 << 21
+_REPAIR_ELEMS = 1 << 22
+
+
+# ----------------------------------------------------------------------------- validation, tiling
+
+
+def _check_nm(n, m) -> tuple[int, int]:
+    values = []
+    for name, value in (("n", n), ("m", m)):
+        if isinstance(value, bool):
+            raise TypeError(f"transposable N:M: {name} must be an int, got {value!r}")
+        try:
+            values.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"transposable N:M: {name} must be an int, got {value!r}") from None
+    n, m = values
+    if not 1 <= n < m:
+        raise ValueError(
+            f"invalid transposable N:M pattern {n}:{m}: need 1 <= N < M "
+            "(N kept in every row and column of each M x M tile), e.g. 2:4 or 4:8"
+        )
+    return n, m
+
+
+def _check_shape(t: torch.Tensor, m: int, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    shape = tuple(t.shape)
+    if t.dim() < 2:
+        raise ValueError(
+            f"{what} of shape {shape} cannot be tiled into {m}x{m} blocks: "
+            "transposable N:M needs at least 2 dims (axes 0 and 1 are tiled)"
+        )
+    if shape[0] % m or shape[1] % m:
+        raise ValueError(
+            f"{what} of shape {shape} cannot be tiled into {m}x{m} blocks: "
+            f"axes 0 and 1 ({shape[0]} and {shape[1]}) must both be divisible by M={m}"
+        )
+
+
+def _tile_perm(ndim: int) -> list[int]:
+    # [R/m, m, C/m, m, *rest] -> [R/m, C/m, *rest, m, m]
+    return [0, 2, *range(4, ndim + 2), 1, 3]
+
+
+def _to_tiles(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``[R, C, *rest]`` -> ``[tiles, m, m]``, each tile's rows along axis 0 of ``x``."""
+    r, c, *rest = x.shape
+    x = x.reshape(r // m, m, c // m, m, *rest).permute(_tile_perm(x.dim()))
+    return x.reshape(-1, m, m)
+
+
+def _from_tiles(t: torch.Tensor, shape: torch.Size, m: int) -> torch.Tensor:
+    r, c, *rest = shape
+    perm = _tile_perm(len(shape))
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    return t.reshape(r // m, c // m, *rest, m, m).permute(inverse).reshape(shape)
+
+
+def _chunks(total: int, size: int):
+    size = max(1, size)
+    for start in range(0, total, size):
+        yield slice(start, min(start + size, total))
+
+
+def _magnitudes(w: torch.Tensor) -> torch.Tensor:
+    a = w.detach().abs().float()
+    big = torch.finfo(torch.float32).max
+    return torch.nan_to_num(a, nan=0.0, posinf=big, neginf=big)
+
+
+# ----------------------------------------------------------------------------- exact solvers
+
+
+def _quantize(a: torch.Tensor) -> torch.Tensor:
+    """Tile magnitudes ``[T, m, m]`` as integers in ``[0, 2**40]`` (float64), scaled per tile."""
+    a = a.double()
+    top = a.amax(dim=(1, 2), keepdim=True)
+    scale = torch.where(top > 0, float(2**_QUANT_BITS) / top, torch.zeros_like(top))
+    return torch.round(a * scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _pattern_table(n: int, m: int) -> torch.Tensor:
+    """All m x m 0/1 matrices with n ones per row and per column, flattened row-major ``[P, m*m]``.
+
+    Order: lexicographic in the rows' column choices (row 0 first, each row's choices in
+    ``itertools.combinations`` order); the exact table solver breaks ties by this order.
+    """
+    rows = list(itertools.combinations(range(m), n))
+    table = []
+    for choice in itertools.product(rows, repeat=m):
+        cols = [0] * m
+        for picked in choice:
+            for j in picked:
+                cols[j] += 1
+        if all(c == n for c in cols):
+            table.append([1 if j in picked else 0 for picked in choice for j in range(m)])
+    return torch.tensor(table, dtype=torch.bool)
+
+
+def _exact_by_table(a: torch.Tensor, n: int) -> torch.Tensor:
+    """Optimal masks ``[T, m, m]`` by scoring every valid pattern (small m only)."""
+    t, m, _ = a.shape
+    table = _pattern_table(n, m).to(a.device)
+    weights = table.double().t()  # [m*m, P]
+    out = torch.empty(t, m * m, dtype=torch.bool, device=a.device)
+    for s in _chunks(t, _TABLE_CHUNK):
+        scores = _quantize(a[s]).reshape(-1, m * m) @ weights  # integer sums: exact in float64
+        out[s] = table[scores.argmax(dim=1)]  # first best pattern on ties
+    return out.reshape(t, m, m)
+
+
+def _exact_by_flow(a: torch.Tensor, n: int) -> torch.Tensor:
+    """Optimal masks ``[T, m, m]`` by min-cost flow, all tiles of a chunk in lockstep.
+
+    Per tile the network is source -> row i (capacity n) -> column j (capacity 1, cost -|w_ij|)
+    -> sink (capacity n). Successive shortest paths: starting from the empty mask, n*m times add
+    one unit of flow along a cheapest source-sink path of the residual graph; every intermediate
+    flow is then a cheapest one of its size, so the residual graph never has a negative cycle and
+    the final n*m-unit flow is an optimal mask. In the residual graph a path enters at a row with
+    fewer than n ones, alternates "row i -> column j, turn (i, j) on, cost -|w_ij|" and "column j ->
+    row i, turn (i, j) off, cost +|w_ij|", and leaves from a column with fewer than n ones, so
+    only two distance vectors (rows, columns) are needed. Bellman-Ford alternates the two
+    relaxations; a shortest path uses each column at most once, so m rounds suffice, and it stops
+    early once no row distance improves. Updates are taken only on strict improvement and the
+    costs are exact integers, so the predecessor links form a tree and the traced path is simple.
+    """
+    t, m, _ = a.shape
+    out = torch.empty(t, m, m, dtype=torch.bool, device=a.device)
+    for s in _chunks(t, _FLOW_ELEMS // (m * m)):
+        out[s] = _flow_chunk(_quantize(a[s]), n)
+    return out
+
+
+def _flow_chunk(q: torch.Tensor, n: int) -> torch.Tensor:
+    t, m, _ = q.shape
+    dev = q.device
+    inf = float("inf")
+    # work arrays keep the reduced index first, so each relaxation reads contiguous [t, m] slices
+    add_q = (-q).permute(1, 0, 2).contiguous()  # [i, t, j]: cost of row i -> column j
+    drop_q = q.permute(2, 0, 1).contiguous()  # [j, t, i]: cost of column j -> row i
+    on = torch.zeros(m, t, m, dtype=torch.bool, device=dev)  # [i, t, j]
+    row_used = torch.zeros(t, m, dtype=torch.long, device=dev)
+    col_used = torch.zeros(t, m, dtype=torch.long, device=dev)
+    tiles = torch.arange(t, device=dev)
+    via_dtype = torch.int16 if m < 2**15 else torch.long  # predecessor indices: small is faster
+    for _ in range(n * m):
+        add_cost = add_q.masked_fill(on, inf)
+        drop_cost = drop_q.masked_fill(~on.permute(2, 1, 0), inf).contiguous()
+        d_row = torch.zeros(t, m, dtype=q.dtype, device=dev).masked_fill_(row_used >= n, inf)
+        via_col = torch.full((t, m), -1, dtype=via_dtype, device=dev)  # -1: straight from the source
+        d_col = torch.full((t, m), inf, dtype=q.dtype, device=dev)
+        via_row = torch.zeros(t, m, dtype=via_dtype, device=dev)
+        for _ in range(m):
+            for i in range(m):  # columns from rows; increasing i with "<" keeps the first best row
+                cand = d_row[:, i : i + 1] + add_cost[i]
+                better = cand < d_col
+                d_col = torch.where(better, cand, d_col)
+                via_row.masked_fill_(better, i)
+            changed = torch.zeros(t, m, dtype=torch.bool, device=dev)
+            for j in range(m):  # rows from columns
+                cand = d_col[:, j : j + 1] + drop_cost[j]
+                better = cand < d_row
+                d_row = torch.where(better, cand, d_row)
+                via_col.masked_fill_(better, j)
+                changed |= better
+            if not bool(changed.any()):
+                break
+        # leave through the cheapest column that still has room (lowest index on ties)
+        j = d_col.masked_fill(col_used >= n, inf).argmin(dim=1)
+        col_used[tiles, j] += 1
+        via_row, via_col = via_row.long(), via_col.long()
+        alive = torch.ones(t, dtype=torch.bool, device=dev)
+        for _ in range(m):  # trace back: at most one "on" and one "off" per column
+            i = via_row.gather(1, j[:, None]).squeeze(1)
+            on[i, tiles, j] |= alive
+            prev = via_col.gather(1, i[:, None]).squeeze(1)
+            row_used[tiles, i] += (alive & (prev < 0)).long()
+            alive = alive & (prev >= 0)
+            if not bool(alive.any()):
+                break
+            j_prev = prev.clamp(min=0)
+            on[i, tiles, j_prev] &= ~alive
+            j = torch.where(alive, j_prev, j)
+    return on.permute(1, 0, 2)
+
+
+def _exact_tiles(a: torch.Tensor, n: int) -> torch.Tensor:
+    if a.shape[0] == 0:
+        return torch.zeros(a.shape, dtype=torch.bool, device=a.device)
+    if a.shape[1] <= _MAX_TABLE_M:
+        return _exact_by_table(a, n)
+    return _exact_by_flow(a, n)
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+def _greedy_tiles(a: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy masks ``[T, m, m]``: at least half the optimal kept magnitude in every tile.
+
+    1. Visit the entries by decreasing magnitude (equal ones in row-major order) and take each one
+       whose row and column both hold fewer than n. This takes a maximal set, and it keeps at
+       least half of the optimum: an entry of the optimal mask that was passed over met a full
+       row or column whose n taken entries were all visited earlier, so are at least as large;
+       give it to one of those that is not itself in the optimum (a full line has n taken
+       entries and at most n optimal ones), each taken entry then answers for at most two passed
+       ones (one per end), each no larger than it.
+
+    2. Maximal is not always complete: in 2:4, rows 0-2 x columns 0-2 can take a 6-cycle and
+       (3, 3) the last entry, leaving row 3 and column 3 with one each; all that row's other
+       columns and that column's other rows are full. Stuck tiles are common on random weights
+       (about 15% at 2:4, half at 4:8). They are repaired one unit at a time: for the first row
+       i still short and any column j still short, turn on (i, x), turn off (y, x) and turn on
+       (y, j), choosing (y, x, j) with the largest magnitude change (ties: first in row-major
+       (y, x, j) order). Such a triple always exists: every short row and short column meet at
+       a taken entry (neither line was ever full, so greedy accepted it, and a repair only turns
+       off entries in rows that are not short), hence the columns x that row i lacks are full,
+       each with n taken rows, and column j lacks m - count(j) > m - n rows, so some row y of
+       column x is missing from column j. Each step fills one unit of row i and of column j and
+       leaves every other count unchanged.
+
+    3. A repair can drop a large entry, so the half-optimum bound is rechecked on repaired tiles
+       against ``min(2 * kept before repair, sum of each row's n largest, same for columns)``,
+       all upper bounds on the optimum; a tile that misses it (none on any weights tried so far)
+       gets the exact mask instead.
+    """
+    t, m, _ = a.shape
+    out = torch.empty(t, m, m, dtype=torch.bool, device=a.device)
+    for s in _chunks(t, _GREEDY_ELEMS // (m * m)):
+        out[s] = _greedy_chunk(a[s], n)
+    return out
+
+
+def _greedy_chunk(a: torch.Tensor, n: int) -> torch.Tensor:
+    t, m, _ = a.shape
+    dev = a.device
+    order = torch.sort(a.reshape(t, m * m), dim=1, descending=True, stable=True).indices
+    # flat positions into the [t*m] row / column counters and the [t*m*m] mask; row k = k-th visit
+    base = torch.arange(t, device=dev).unsqueeze(1) * m
+    row_at = (base + order // m).t().contiguous()
+    col_at = (base + order % m).t().contiguous()
+    cell_at = (base * m + order).t().contiguous()
+    row_used = torch.zeros(t * m, dtype=torch.int32, device=dev)
+    col_used = torch.zeros(t * m, dtype=torch.int32, device=dev)
+    keep = torch.zeros(t * m * m, dtype=torch.bool, device=dev)
+    for k in range(m * m):
+        r, c = row_at[k], col_at[k]
+        # the first n visits always fit: no line can hold n entries before the n-th visit
+        take = (row_used[r] < n) & (col_used[c] < n) if k >= n else torch.ones_like(r, dtype=torch.bool)
+        step = take.to(torch.int32)
+        row_used[r] += step  # one entry per tile per step: no index repeats
+        col_used[c] += step
+        keep[cell_at[k]] = take
+    keep = keep.reshape(t, m, m)
+    row_used, col_used = row_used.reshape(t, m), col_used.reshape(t, m)
+    stuck = (row_used.sum(1) < n * m).nonzero().squeeze(1)
+    if stuck.numel():
+        sub_a = a[stuck]
+        before = keep[stuck]
+        fixed = torch.empty_like(before)
+        for s in _chunks(stuck.numel(), _REPAIR_ELEMS // (m * m)):
+            fixed[s] = _repair(sub_a[s], before[s], row_used[stuck[s]], col_used[stuck[s]], n)
+        # the half-optimum check; the exact solver answers for any tile that fails it
+        a64 = sub_a.double()
+        kept_before = (a64 * before).sum((1, 2))
+        kept_after = (a64 * fixed).sum((1, 2))
+        row_bound = a64.topk(n, dim=2).values.sum((1, 2))
+        col_bound = a64.topk(n, dim=1).values.sum((1, 2))
+        bound = torch.minimum(2 * kept_before, torch.minimum(row_bound, col_bound))
+        weak = (2 * kept_after < bound).nonzero().squeeze(1)
+        if weak.numel():
+            fixed[weak] = _exact_tiles(sub_a[weak], n)
+        keep[stuck] = fixed
+    return keep
+
+
+def _repair(a, keep, row_used, col_used, n):
+    """Complete maximal masks ``[T, m, m]`` one unit per step (see :func:`_greedy_tiles`)."""
+    t, m, _ = a.shape
+    keep, row_used, col_used = keep.clone(), row_used.clone(), col_used.clone()
+    tiles = torch.arange(t, device=a.device)
+    ninf = torch.tensor(float("-inf"), dtype=a.dtype, device=a.device)
+    for _ in range(n * m):
+        short_row = row_used < n
+        need = short_row.any(1)
+        if not bool(need.any()):
+            break
+        i = short_row.to(torch.int8).argmax(1)  # first short row
+        # gain of (y, x, j) = |w_ix| - |w_yx| + |w_yj|; the best j depends on y only
+        gain_yj = torch.where(~keep & (col_used < n).unsqueeze(1), a, ninf)  # turn (y, j) on
+        best_j, j_of_y = gain_yj.max(2)  # first j on ties
+        gain_x = torch.where(keep[tiles, i], ninf, a[tiles, i])  # turn (i, x) on
+        gain = (gain_x.unsqueeze(1) + torch.where(keep, -a, ninf)) + best_j.unsqueeze(2)  # [t, y, x]
+        best, yx = gain.reshape(t, -1).max(1)  # first (y, x) in row-major order on ties
+        go = need & (best > ninf)  # a feasible triple always exists for a short tile
+        y, x = yx // m, yx % m
+        j = j_of_y.gather(1, y.unsqueeze(1)).squeeze(1)
+        keep[tiles, i, x] |= go
+        keep[tiles, y, x] &= ~go
+        keep[tiles, y, j] |= go
+        row_used[tiles, i] += go.to(row_used.dtype)
+        col_used[tiles, j] += go.to(col_used.dtype)
+    return keep
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def transposable_mask(w: torch.Tensor, n: int, m: int, method: str = "auto") -> torch.Tensor:
+    """Boolean mask of ``w``'s shape with exactly ``n`` ones per row and column of every m x m tile.
+
+    Axes 0 and 1 are tiled (both must be divisible by ``m``); further axes are independent
+    batches. ``method`` is ``"exact"`` (optimal kept magnitude per tile), ``"greedy"`` (fast, at
+    least half of the optimum per tile) or ``"auto"`` (exact when ``m <= 4``, greedy otherwise).
+    Any float dtype and device; magnitudes are scored in float32 (greedy) or exactly (exact).
+    """
+    n, m = _check_nm(n, m)
+    if method not in _METHODS:
+        choices = ", ".join(_METHODS)
+        raise ValueError(f"unknown transposable mask method {method!r}; use one of {choices}")
+    _check_shape(w, m, "weight")
+    if w.dtype == torch.bool:
+        raise ValueError("transposable_mask needs a numeric weight, got a bool tensor")
+    if method == "auto":
+        method = "exact" if m <= _MAX_TABLE_M else "greedy"
+    with torch.no_grad():
+        tiles = _to_tiles(_magnitudes(w), m)
+        if tiles.shape[0] == 0:
+            return torch.zeros(w.shape, dtype=torch.bool, device=w.device)
+        keep = _exact_tiles(tiles, n) if method == "exact" else _greedy_tiles(tiles, n)
+        return _from_tiles(keep, w.shape, m)
+
+
+def tile_counts(mask: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ones per tile row and per tile column of ``mask`` (any dtype; non-zero counts as one).
+
+    Returns ``(row_counts, col_counts)``: ``row_counts[r, b, ...]`` counts ``mask[r, b*m:(b+1)*m,
+    ...]`` (shape ``[R, C/m, *rest]``) and ``col_counts[b, c, ...]`` counts ``mask[b*m:(b+1)*m, c,
+    ...]`` (shape ``[R/m, C, *rest]``), as int64.
+    """
+    m = operator.index(m)
+    if m < 1:
+        raise ValueError(f"tile size M must be >= 1, got {m}")
+    _check_shape(mask, m, "mask")
+    r, c, *rest = mask.shape
+    nz = (mask != 0).to(torch.int64)
+    row_counts = nz.reshape(r, c // m, m, *rest).sum(2)
+    col_counts = nz.reshape(r // m, m, c, *rest).sum(1)
+    return row_counts, col_counts
+
+
+def is_transposable(mask: torch.Tensor, n: int, m: int) -> bool:
+    """Whether every m x m tile of ``mask`` (axes 0, 1) has exactly ``n`` non-zeros per row and column."""
+    n, m = _check_nm(n, m)
+    row_counts, col_counts = tile_counts(mask, m)
+    return bool((row_counts == n).all()) and bool((col_counts == n).all())

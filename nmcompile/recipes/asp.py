@@ -1,0 +1,50 @@
+"""ASP: one-shot magnitude N:M pruning of a trained model, then fine-tuning with the mask fixed.
+
+The mask (top-N of |W| along the reduction dimension) is computed once, when the weight is
+annotated, and stored as state; it never changes. Forward ``W * mask``; the gradient is masked
+too, so pruned weights get no update from any optimizer and the effective weight stays N:M
+without touching the optimizer. With ``permute=True`` (the default), :func:`nmcompile.annotate`
+first permutes input channels, together with the producing layers' output channels, to raise
+the magnitude the mask keeps without changing the model's function
+(:func:`nmcompile.permute_channels.permute_channels`; its report is in the annotation report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks
+from .base import Recipe
+
+
+@dataclass(frozen=True, kw_only=True)
+class ASP(Recipe):
+    name = "asp"
+    state_names = ("mask",)
+
+    permute: bool = True  # search input-channel permutations first (annotate only)
+
+    def init_state(self, weight, dim):
+        return {"mask": masks.keep_mask(weight.detach(), self.n, self.m, dim)}
+
+    def example_state(self, weight, dim):
+        return {"mask": torch.ones(weight.shape, dtype=torch.bool, device=weight.device)}
+
+    def project(self, weight, mask, dim, frame=None):
+        return torch.where(mask, weight, 0)
+
+    def mask(self, weight, mask, dim):
+        return mask.clone()
+
+    @property
+    def prepares_model(self) -> bool:
+        return self.permute
+
+    def prepare(self, model, names):
+        if not self.permute:
+            return None
+        from ..permute_channels import permute_channels
+
+        return permute_channels(model, names, self.n, self.m)

@@ -1,0 +1,91 @@
+"""Bi-Mask: separate forward and backward N:M masks (Zhang et al., ICML 2023, arXiv 2302.06058).
+
+- FWD uses ``W * F``, ``F`` the top-N mask along ``in`` (per output row, recomputed every step).
+- DGRAD uses ``W * B``: ``B`` is N:M along ``out`` in the row order ``perm`` (within each group of
+  M permuted output rows, the N largest ``|W * F|`` that ``F`` keeps), so a kernel that permutes the
+  rows the same way gets a real N:M operand for the input gradient.
+- WGRAD is dense, plus SR-STE's ``decay * (1 - F) * W``.
+
+``perm`` is the output-row order, among the identity and ``candidates`` random permutations,
+that keeps the most weights in both masks; it is searched when the weight is annotated and every
+``every`` optimizer steps (random permutations from torch's generator, so runs are reproducible
+under ``torch.manual_seed``). Convolutions group ``F`` along input channels and ``B`` along output
+channels, per kernel position, on the weight itself (no unfold).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks
+from ..clock import new_step
+from .base import Recipe
+from .transposable import fits_both_axes
+
+
+def out_axis(dim: int) -> int:
+    return 1 if dim == 0 else 0
+
+
+def shared_kept(weight: torch.Tensor, perms: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
+    """For each row order in ``perms`` (``[K, out]``), how many weights both masks keep."""
+    axis = out_axis(dim)
+    forward = masks.keep_mask(weight, n, m, dim)
+    kept = torch.where(forward, weight, 0).movedim(axis, 0)
+    forward = forward.movedim(axis, 0)
+    scores = []
+    for chunk in perms.split(8):  # bounds memory: 8 permuted copies at a time
+        both = masks.keep_mask(kept[chunk], n, m, 1) & forward[chunk]
+        scores.append(both.flatten(1).sum(1))
+    return torch.cat(scores)
+
+
+def search_permutation(weight: torch.Tensor, n: int, m: int, dim: int, candidates: int) -> torch.Tensor:
+    """The best output-row order among the identity and ``candidates`` random ones (ties: first)."""
+    size = weight.shape[out_axis(dim)]
+    perms = [torch.arange(size)] + [torch.randperm(size) for _ in range(candidates)]
+    perms = torch.stack(perms).to(weight.device)
+    scores = shared_kept(weight.detach(), perms, n, m, dim)
+    return perms[scores.argmax()]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BiMask(Recipe):
+    name = "bi_mask"
+    state_names = ("step", "perm")
+    clocked = True
+
+    decay: float = 2e-4  # SR-STE term on the weights F prunes
+    candidates: int = 100  # K random row orders per search
+    every: int = 100  # T: optimizer steps between searches
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.decay >= 0:
+            raise ValueError(f"bi_mask: decay must be >= 0 (default 2e-4), got {self.decay}")
+        if self.candidates < 0 or self.every < 1:
+            raise ValueError(f"bi_mask: need candidates >= 0 and every >= 1, got {self.candidates}, {self.every}")
+
+    def fits(self, weight, dim):
+        return fits_both_axes(self, weight, dim)
+
+    def init_state(self, weight, dim):
+        return {"step": new_step(weight), "perm": search_permutation(weight, self.n, self.m, dim, self.candidates)}
+
+    def example_state(self, weight, dim):
+        return {"step": new_step(weight), "perm": torch.arange(weight.shape[out_axis(dim)], device=weight.device)}
+
+    def project(self, weight, step, perm, dim, frame=None):
+        if self.decay:
+            return torch.ops.nmsparse.prune_decay(weight, self.n, self.m, dim, float(self.decay))
+        return torch.ops.nmsparse.prune(weight, self.n, self.m, dim)
+
+    def dgrad_weight(self, weight, step, perm, dim):
+        return torch.ops.nmsparse.backward_mask_weight(weight.detach(), perm, self.n, self.m, dim)
+
+    def after_step(self, weights, optimizer) -> None:
+        for w in weights:
+            if w.step % self.every == 0:
+                w.state["perm"].copy_(search_permutation(w.param, self.n, self.m, w.ann.dim, self.candidates))

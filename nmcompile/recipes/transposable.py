@@ -1,0 +1,66 @@
+"""Transposable N:M masks (Hubara et al., NeurIPS 2021): the same sparse weight serves FWD and DGRAD.
+
+Every M x M tile of the weight matrix (axes 0 and 1; a conv's kernel positions are separate
+matrices) keeps exactly N per row and per column, so ``W`` is N:M along ``in`` and ``W^T`` along
+``out``. The mask is a state tensor computed when the weight is annotated and refreshed from the
+dense weights every ``every`` optimizer steps: 2:4 by the exact best of the 90 tile patterns,
+larger M by the greedy 2-approximation (``nmcompile.masks.transposable_mask``). Forward ``W * mask``
+with a straight-through gradient. With ``wgrad="mvue24"`` all three training GEMMs are N:M.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..clock import new_step
+from ..masks.transposable import transposable_mask
+from ..pattern import NMPattern
+from .base import Recipe
+
+
+def straight_through_mask(weight, mask):
+    """``weight * mask`` in the forward, the identity for the gradient (exact: ``w + (kept - w)``)."""
+    kept = torch.where(mask, weight, 0)
+    return weight + (kept - weight).detach()
+
+
+def fits_both_axes(recipe, weight: torch.Tensor, dim: int) -> str | None:
+    """Tiles span axes 0 and 1: both must take the pattern."""
+    pattern = NMPattern(recipe.n, recipe.m)
+    return pattern.fits(weight, dim) or pattern.fits(weight, 1 - dim if dim in (0, 1) else 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transposable(Recipe):
+    name = "transposable"
+    state_names = ("step", "mask")
+    clocked = True
+
+    every: int = 40  # refresh the mask every this many optimizer steps
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.every < 1:
+            raise ValueError(f"transposable: every must be >= 1 (optimizer steps between refreshes), got {self.every}")
+
+    def fits(self, weight, dim):
+        return fits_both_axes(self, weight, dim)
+
+    def init_state(self, weight, dim):
+        return {"step": new_step(weight), "mask": transposable_mask(weight.detach(), self.n, self.m)}
+
+    def example_state(self, weight, dim):
+        return {"step": new_step(weight), "mask": torch.ones(weight.shape, dtype=torch.bool, device=weight.device)}
+
+    def project(self, weight, step, mask, dim, frame=None):
+        return straight_through_mask(weight, mask)
+
+    def mask(self, weight, step, mask, dim):
+        return mask.clone()
+
+    def after_step(self, weights, optimizer) -> None:
+        for w in weights:
+            if w.step % self.every == 0:
+                w.state["mask"].copy_(transposable_mask(w.param.detach(), self.n, self.m))

@@ -1,0 +1,169 @@
+"""Recipes that change a GEMM's backward: MVUE weight gradients, FP8 simulation, Bi-Mask's DGRAD mask."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nmcompile
+from nmcompile import recipes
+from nmcompile.masks import mvue
+
+import reference
+
+
+def linear_layer(out=16, inp=32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(inp, out)
+
+
+def grads(model, compiled, x, dy, seed=None):
+    x = x.clone().requires_grad_()
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = compiled(x)
+    out.backward(dy)
+    result = x.grad, model.weight.grad.clone(), model.bias.grad.clone(), out.detach()
+    model.zero_grad()
+    return result
+
+
+@pytest.mark.parametrize("wgrad, pattern", [("mvue24", (2, 4)), ("mvue12", (1, 2))])
+def test_mvue_weight_gradient_is_exactly_the_sampled_estimator(wgrad, pattern):
+    layer = linear_layer()
+    nmcompile.annotate(layer, recipes.STE(wgrad=wgrad))
+    compiled = torch.compile(layer, backend="nmsparse", options={"inner": "aot_eager"})
+    x, dy = torch.randn(2, 10, 32), torch.randn(2, 10, 16)  # 20 tokens
+    w_eff = layer.weight * reference.topn_mask(layer.weight, 2, 4)
+    dx, dw, db, out = grads(layer, compiled, x, dy, seed=7)
+    torch.testing.assert_close(out, F.linear(x, w_eff, layer.bias))
+    torch.testing.assert_close(dx, dy @ w_eff)  # DGRAD keeps the exact output gradient
+    torch.testing.assert_close(db, dy.sum((0, 1)))  # and so does the bias
+    torch.manual_seed(7)
+    g = dy.reshape(20, 16)
+    g_pad = F.pad(g, (0, 0, 0, (-20) % pattern[1]))
+    u = torch.rand(16, g_pad.shape[0] // pattern[1])
+    sampled = mvue(g_pad, *pattern, dim=0, u=u)[:20]
+    torch.testing.assert_close(dw, sampled.T @ x.reshape(20, 32))
+    groups = sampled.T.unflatten(1, (-1, pattern[1]))
+    assert int((groups != 0).sum(-1).max()) <= pattern[0]
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_mvue_weight_gradient_is_unbiased_under_inductor(kind):
+    torch.manual_seed(0)
+    if kind == "linear":
+        layer, x = nn.Linear(16, 8), torch.randn(64, 16)
+    else:
+        layer, x = nn.Conv2d(8, 8, 3, padding=1), torch.randn(2, 8, 6, 6)
+    nmcompile.annotate(layer, recipes.STE(wgrad="mvue24"))
+    compiled = torch.compile(layer, backend="nmsparse")
+    dy = torch.randn_like(compiled(x))
+    dense = torch.compile(lambda x, w, b: (F.linear if kind == "linear" else F.conv2d)(x, w, b, **({} if kind == "linear" else {"padding": 1})))
+    w_eff = nmcompile.effective_weights(layer)["weight"].requires_grad_()
+    xr = x.clone().requires_grad_()
+    dense(xr, w_eff, layer.bias.detach()).backward(dy)
+    draws = []
+    for _ in range(300):
+        dx, dw, _, _ = grads(layer, compiled, x, dy)
+        torch.testing.assert_close(dx, xr.grad, rtol=1e-4, atol=1e-5)
+        draws.append(dw)
+    draws = torch.stack(draws)
+    assert not torch.allclose(draws[0], draws[1])  # really sampled
+    stderr = draws.std(0) / len(draws) ** 0.5
+    z = (draws.mean(0) - w_eff.grad).abs() / stderr.clamp_min(1e-6)
+    assert float(z.max()) < 5.5, f"mean of the sampled weight gradients is off by {float(z.max()):.1f} standard errors"
+
+
+def test_fp8_simulation_matches_its_equations():
+    layer = linear_layer()
+    recipe = recipes.SSTE(fp8=True)
+    nmcompile.annotate(layer, recipe)
+    compiled = torch.compile(layer, backend="nmsparse", options={"inner": "aot_eager"})
+    x, dy = torch.randn(12, 32), torch.randn(12, 16)
+    dx, dw, db, out = grads(layer, compiled, x, dy)
+    w_hat = nmcompile.effective_weights(layer)["weight"]
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    expected = reference.fake_fp8(x, e4) @ reference.fake_fp8(w_hat, e4).T + layer.bias
+    torch.testing.assert_close(out, expected)
+    assert not torch.allclose(out, F.linear(x, w_hat, layer.bias), atol=1e-4)  # rounding happened
+    torch.testing.assert_close(dx, reference.fake_fp8(dy, e5) @ reference.fake_fp8(w_hat, e5))
+    torch.testing.assert_close(dw, reference.fake_fp8(dy, e5).T @ reference.fake_fp8(x, e5))
+    torch.testing.assert_close(db, dy.sum(0))
+
+
+def test_fp8_with_mvue_is_the_full_s_ste_recipe_and_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    nmcompile.annotate(model, "s_ste:2:4,wgrad=mvue24,fp8=true")
+    compiled = torch.compile(model, backend="nmsparse")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randn(128, 32)
+    y = x[:, :8] * 2
+    losses = []
+    for _ in range(60):
+        loss = F.mse_loss(compiled(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert nmcompile.check(model).ok
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (8, 8, 3, 3)], ids=["linear", "conv"])
+def test_bi_mask_gradients_use_exactly_their_masks(shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(shape[1], shape[0]) if len(shape) == 2 else nn.Conv2d(shape[1], shape[0], 3, padding=1)
+    recipe = recipes.BiMask(decay=0.01, candidates=20)
+    nmcompile.annotate(layer, recipe)
+    perm = layer.weight_nm_perm
+    assert sorted(perm.tolist()) == list(range(shape[0]))
+    compiled = torch.compile(layer, backend="nmsparse", options={"inner": "aot_eager"})
+    x = torch.randn(4, shape[1]) if len(shape) == 2 else torch.randn(2, shape[1], 5, 5)
+    out = compiled(x)
+    dy = torch.randn_like(out)
+    dx, dw, db, out = grads(layer, compiled, x, dy)
+    w = layer.weight.detach()
+    f = reference.topn_mask(w, 2, 4, 1)
+    b = reference.bi_mask_backward_mask(w, perm, 2, 4)
+    assert not torch.equal(b, f)
+    op = F.linear if len(shape) == 2 else lambda x, w, b: F.conv2d(x, w, b, padding=1)
+    torch.testing.assert_close(out, op(x, w * f, layer.bias))
+    xr = x.clone().requires_grad_()
+    op(xr, w * b, layer.bias).backward(dy)
+    torch.testing.assert_close(dx, xr.grad)  # DGRAD with the backward mask, exactly
+    wr = (w * f).requires_grad_()
+    op(x, wr, layer.bias).backward(dy)
+    torch.testing.assert_close(dw, wr.grad + 0.01 * (~f) * w)  # dense WGRAD + lambda (1 - F) W
+    # B keeps at most N of M along the output axis, in permuted order, and only weights F keeps
+    b_perm = b.flatten(1)[perm]
+    assert int(b_perm.unflatten(0, (-1, 4)).sum(1).max()) <= 2
+    assert not (b & ~f).any()
+
+
+def test_bi_mask_permutation_search_and_schedule():
+    torch.manual_seed(0)
+    w = torch.randn(32, 16)
+    from nmcompile.recipes.bi_mask import search_permutation, shared_kept
+
+    perm = search_permutation(w, 2, 4, 1, candidates=50)
+    identity = torch.arange(32)
+    scores = shared_kept(w, torch.stack([identity, perm]), 2, 4, 1)
+    assert scores[1] >= scores[0]
+    b = reference.bi_mask_backward_mask(w, perm, 2, 4)
+    assert int(b.sum()) == int(scores[1])  # the score is the number of weights both masks keep
+
+    layer = nn.Linear(16, 32)
+    nmcompile.annotate(layer, recipes.BiMask(every=3, candidates=5))
+    compiled = torch.compile(layer, backend="nmsparse", options={"inner": "aot_eager"})
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    nmcompile.hook_optimizer(layer, opt)
+    changed = []
+    for step in range(1, 10):
+        before = layer.weight_nm_perm.clone()
+        compiled(torch.randn(8, 16)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        changed.append(not torch.equal(before, layer.weight_nm_perm))
+    assert not any(c for i, c in enumerate(changed, 1) if i % 3)  # searched only every 3 steps
