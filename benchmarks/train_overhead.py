@@ -5,9 +5,10 @@ runs interleaved round-robin in one process (medians), so host noise hits all of
 
 Variants:
   dense       torch.compile(backend="inductor")
-  nm/<r>      torch.compile(backend="nmsparse") with recipe <r> at 2:4
+  nm/<r>      torch.compile(backend="nmsparse") with recipe <r> (SPECS below), plus
+              nmcompile.hook_optimizer on the Adam optimizer (schedules and diagnostics every step)
   swap/<r>    eager module swap: each Linear's weight goes through a per-layer autograd.Function
-              (how the papers' reference code works), mask by torch.topk + scatter
+              (how the papers' reference code works), mask by torch.topk + scatter (ste, sr_ste, s_ste)
 
     python benchmarks/train_overhead.py                # step-time table
     python benchmarks/train_overhead.py --compile-time # + first-step times, one process each
@@ -28,8 +29,24 @@ from torch import nn
 
 import nmcompile
 
+SPECS = {
+    "ste": "ste:2:4",
+    "sr_ste": "sr_ste:2:4",
+    "s_ste": "s_ste:2:4",
+    "step1": "step:2:4,total_steps=1000000",  # phase 1: dense + AutoSwitch statistic
+    "step2": "step:2:4,total_steps=1000000,t_max=0",  # phase 2 from the first step: frozen-moment update
+    "mdgf": "mdgf:2:4",
+    "sdgf": "sdgf:2:4,total_steps=1000000",  # frame 3:4 (the first) all along
+    "asp": "asp:2:4,permute=false",
+    "transposable": "transposable:2:4,every=40",
+    "bi_mask": "bi_mask:2:4,every=100",
+    "ste_mvue24": "ste:2:4,wgrad=mvue24",
+    "s_ste_mvue24": "s_ste:2:4,wgrad=mvue24",
+}
 RECIPES = ("ste", "sr_ste", "s_ste")
+SWAPPABLE = set(RECIPES)
 WIDTH, BATCH, LAYERS = 1024, 256, 4
+DIAGNOSTICS_EVERY = 1
 
 
 def mlp() -> nn.Sequential:
@@ -103,13 +120,16 @@ def build(variant: str):
     if variant == "dense":
         run = torch.compile(model, backend="inductor")
     elif variant.startswith("nm/"):
-        nmcompile.annotate(model, f"{variant[3:]}:2:4")
+        nmcompile.annotate(model, SPECS[variant[3:]])
         run = torch.compile(model, backend="nmsparse")
     else:
         recipe = variant[5:]
         model = nn.Sequential(*[SwapLinear(m, recipe) if isinstance(m, nn.Linear) else m for m in model])
         run = model
-    return model, run, torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if variant.startswith("nm/"):
+        nmcompile.hook_optimizer(model, opt, diagnostics_every=DIAGNOSTICS_EVERY)
+    return model, run, opt
 
 
 def step(run, opt, x, y) -> None:
@@ -146,7 +166,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), help=f"any of {', '.join(SPECS)}")
+    parser.add_argument("--diagnostics-every", type=int, default=1, help="0 turns mask diagnostics off")
     parser.add_argument("--no-swap", action="store_true", help="skip the eager module-swap variants")
     parser.add_argument("--compile-time", action="store_true")
     parser.add_argument("--first-step", help=argparse.SUPPRESS)
@@ -155,10 +176,12 @@ def main() -> None:
     if args.first_step:
         print(first_step(args.first_step, args.primed))
         return
+    global DIAGNOSTICS_EVERY
+    DIAGNOSTICS_EVERY = args.diagnostics_every
 
     variants = ["dense"] + [f"nm/{r}" for r in args.recipes]
     if not args.no_swap:
-        variants += [f"swap/{r}" for r in args.recipes]
+        variants += [f"swap/{r}" for r in args.recipes if r in SWAPPABLE]
     runs = {v: build(v) for v in variants}
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     for _, run, opt in runs.values():
@@ -172,9 +195,10 @@ def main() -> None:
             times[v].append(time.perf_counter() - start)
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} interleaved steps")
-    print(f"{'variant':<14}{'median ms':>10}{'vs dense':>10}")
+    print(f"diagnostics every {args.diagnostics_every} steps")
+    print(f"{'variant':<18}{'median ms':>10}{'vs dense':>10}")
     for v in variants:
-        print(f"{v:<14}{med[v]:>10.2f}{med[v] / med['dense']:>10.3f}")
+        print(f"{v:<18}{med[v]:>10.2f}{med[v] / med['dense']:>10.3f}")
     if args.compile_time:
         for primed in (False, True):
             first = compile_times(["dense"] + [f"nm/{r}" for r in args.recipes], primed)

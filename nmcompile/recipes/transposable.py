@@ -4,7 +4,7 @@ Every M x M tile of the weight matrix (axes 0 and 1; a conv's kernel positions a
 matrices) keeps exactly N per row and per column, so ``W`` is N:M along ``in`` and ``W^T`` along
 ``out``. The mask is a state tensor computed when the weight is annotated and refreshed from the
 dense weights every ``every`` optimizer steps: 2:4 by the exact best of the 90 tile patterns,
-larger M by the greedy 2-approximation (``nmcompile.masks.transposable_mask``). Forward ``W * mask``
+larger M by a greedy pass with a repair step (``nmcompile.masks.transposable_mask``). Forward ``W * mask``
 with a straight-through gradient. With ``wgrad="mvue24"`` all three training GEMMs are N:M.
 """
 

@@ -1,0 +1,379 @@
+"""Permute channels between layers so that one-shot N:M pruning keeps more magnitude.
+
+N:M groups run along a weight's input channels (dim 1 of a Linear or Conv weight). Those
+channels are produced by an earlier layer, so reordering the producer's output channels (weight
+rows and bias), every per-channel op in between (BatchNorm's affine parameters and running
+statistics) and the consumer's input channels in the same way leaves the model's function
+unchanged, while choosing which channels share an N:M group. The order comes from
+:func:`nmcompile.masks.permutation.search_permutation`.
+
+:func:`permute_channels` finds each producer with ``torch.fx.symbolic_trace``: from the listed
+consumer it walks back through element-wise activations, dropout, identity and BatchNorm to an
+``nn.Linear``/``nn.Conv1d``/``nn.Conv2d`` (``groups=1``). It then follows everything the producer's
+output flows into; all of it must be one of those pass-through ops or a listed consumer, or the
+permutation would change the model's output, and the group is skipped with a reason. Consumers
+fed by one producer share one permutation, searched on their weights stacked together.
+
+Use it before one-shot magnitude pruning (e.g. the ASP recipe); it changes parameter values in
+place (``copy_``), never the Parameter objects, so optimizers and attributes set on parameters
+stay valid. With BatchNorm on the path, outputs match in eval mode (in training mode the batch
+statistics are per channel too, so they match as well up to rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from .masks.permutation import kept_magnitude, search_permutation
+
+__all__ = ["permute_channels", "PermutationReport", "PermutationGroup"]
+
+_PRODUCERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
+# element-wise modules: they commute with any permutation of channels
+_PASS_MODULES = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Mish,
+    nn.Softplus,
+    nn.Dropout,
+    nn.Identity,
+)
+_PASS_FUNCTIONS = {
+    torch.relu,
+    torch.relu_,
+    F.relu,
+    F.relu_,
+    F.relu6,
+    F.gelu,
+    F.silu,
+    F.mish,
+    F.elu,
+    torch.tanh,
+    F.tanh,
+    torch.sigmoid,
+    F.sigmoid,
+    F.leaky_relu,
+    F.hardtanh,
+    F.hardswish,
+    F.hardsigmoid,
+    F.softplus,
+    F.dropout,
+}
+_PASS_METHODS = {"relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_"}
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+@dataclass
+class PermutationGroup:
+    """One permutation: the consumers sharing it, their producer and the BatchNorms between."""
+
+    consumers: list[str]
+    producer: str
+    batchnorms: list[str]
+    kept_before: float
+    kept_after: float
+
+    @property
+    def gain(self) -> float:
+        """Relative increase of the consumers' kept magnitude (0.0 when nothing was kept)."""
+        return (self.kept_after - self.kept_before) / self.kept_before if self.kept_before else 0.0
+
+
+@dataclass
+class PermutationReport:
+    """What :func:`permute_channels` permuted (``groups``) and what it left alone (``skipped``)."""
+
+    n: int
+    m: int
+    groups: list[PermutationGroup] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_gain(self) -> float:
+        """Relative increase of the kept magnitude summed over all groups' consumers."""
+        before = sum(g.kept_before for g in self.groups)
+        after = sum(g.kept_after for g in self.groups)
+        return (after - before) / before if before else 0.0
+
+    def __str__(self) -> str:
+        head = ("consumers", "producer", "kept before", "kept after", "gain")
+        rows = [
+            (", ".join(g.consumers), g.producer + "".join(f" > {b}" for b in g.batchnorms),
+             f"{g.kept_before:.4g}", f"{g.kept_after:.4g}", f"{100 * g.gain:+.2f}%")
+            for g in self.groups
+        ]
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        lines = [f"channel permutation for {self.n}:{self.m}: {len(self.groups)} group(s), "
+                 f"total gain {100 * self.total_gain:+.2f}%"]
+        if rows:
+            for r in [head, *rows]:
+                lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if self.skipped:
+            lines.append("skipped:")
+            lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+class _Skip(Exception):
+    pass
+
+
+def _describe(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str:
+    if node.op == "call_module":
+        return f"{type(modules[node.target]).__name__} '{node.target}'"
+    if node.op == "call_function":
+        return f"{getattr(node.target, '__name__', str(node.target))} ({node.name})"
+    if node.op == "call_method":
+        return f".{node.target}() ({node.name})"
+    if node.op == "output":
+        return "the model's output"
+    return f"{node.op} '{node.target}'"
+
+
+def _kind(module: nn.Module) -> str:
+    return type(module).__name__ if isinstance(module, (nn.Conv1d, nn.Conv2d)) else "Linear"
+
+
+def _is_pass(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return isinstance(modules[node.target], _PASS_MODULES)
+    if node.op == "call_function":
+        return node.target in _PASS_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _PASS_METHODS
+    return False
+
+
+def _only_first_arg(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """``node`` is ``user``'s first argument and appears nowhere else in its arguments."""
+    if not user.args or user.args[0] is not node:
+        return False
+    others: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((user.args[1:], user.kwargs), others.append)
+    return node not in others
+
+
+def _supported_weight(module: nn.Module) -> bool:
+    return isinstance(module, _PRODUCERS) and getattr(module, "groups", 1) == 1
+
+
+def _find_producer(consumer: torch.fx.Node, modules) -> torch.fx.Node:
+    """Walk back from the consumer's input through pass-through ops and BatchNorm."""
+    kind = _kind(modules[consumer.target])
+    if not consumer.args or not isinstance(consumer.args[0], torch.fx.Node):
+        raise _Skip("its input is not a traced tensor")
+    cur = consumer.args[0]
+    while True:
+        if cur.op == "placeholder":
+            raise _Skip(f"its input channels come from the model input '{cur.target}', not a layer")
+        if cur.op == "call_module":
+            mod = modules[cur.target]
+            if _supported_weight(mod):
+                if _kind(mod) != kind:
+                    raise _Skip(f"its producer {_describe(cur, modules)} is a {_kind(mod)} and the "
+                                f"consumer a {kind}: their channel dims differ")
+                return cur
+            if isinstance(mod, _PRODUCERS):
+                raise _Skip(f"its producer {_describe(cur, modules)} is a grouped convolution")
+        if not (_is_pass(cur, modules) or _is_bn(cur, modules, kind)):
+            raise _Skip(f"{_describe(cur, modules)} between it and its producer does not commute "
+                        "with a channel permutation")
+        nxt = cur.args[0] if cur.args else None
+        if not isinstance(nxt, torch.fx.Node):
+            raise _Skip(f"{_describe(cur, modules)} has no traced tensor input")
+        cur = nxt
+
+
+def _is_bn(node: torch.fx.Node, modules, kind: str) -> bool:
+    if node.op != "call_module" or not isinstance(modules[node.target], _BATCHNORMS):
+        return False
+    # BatchNorm's channel dim is dim 1: the features of a 2-D Linear output, a Conv1d's channels
+    # (BatchNorm1d) or a Conv2d's channels (BatchNorm2d)
+    bn = modules[node.target]
+    return isinstance(bn, nn.BatchNorm2d) if kind == "Conv2d" else type(bn) is nn.BatchNorm1d
+
+
+def _as_columns(w: torch.Tensor) -> torch.Tensor:
+    """(rows, in_channels) view of a Linear/Conv weight: columns are input channels."""
+    return w.detach().movedim(1, -1).reshape(-1, w.shape[1])
+
+
+def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0) -> PermutationReport:
+    """Permute the input channels of the weights ``names`` (and their producers' output channels)
+    so that top-n of m along dim 1 keeps more magnitude, without changing ``model``'s function.
+
+    ``names`` are parameter names such as ``"fc2.weight"`` of ``nn.Linear``, ``nn.Conv1d`` or
+    ``nn.Conv2d`` (``groups=1``) modules called once in the model. Parameters and buffers change
+    in place; names that cannot be permuted safely are listed in the report's ``skipped``.
+    """
+    report = PermutationReport(n=n, m=m)
+    wanted: dict[str, str] = {}  # module name -> parameter name
+    modules = dict(model.named_modules())
+    for name in dict.fromkeys(names):
+        mod_name, _, attr = name.rpartition(".")
+        mod = modules.get(mod_name)
+        if mod is None or attr != "weight" or not isinstance(getattr(mod, "weight", None), nn.Parameter):
+            report.skipped[name] = "not the weight of a module of the model"
+        elif not isinstance(mod, _PRODUCERS):
+            report.skipped[name] = f"{type(mod).__name__} is not an nn.Linear, nn.Conv1d or nn.Conv2d"
+        elif getattr(mod, "groups", 1) != 1:
+            report.skipped[name] = f"grouped convolution (groups={mod.groups})"
+        else:
+            wanted[mod_name] = name
+    if not wanted:
+        return report
+
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception as exc:  # noqa: BLE001 - any tracing failure means: leave the model alone
+        first = (str(exc).strip().splitlines() or [""])[0]
+        reason = f"torch.fx tracing failed: {type(exc).__name__}: {first}"
+        for name in wanted.values():
+            report.skipped[name] = reason
+        return report
+
+    calls: dict[str, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(node.target, []).append(node)
+
+    # parameters and buffers reachable under more than one name (tied weights) must not move
+    owners: dict[int, list[str]] = {}
+    for pname, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        owners.setdefault(id(p), []).append(pname)
+
+    consumers: dict[str, torch.fx.Node] = {}
+    for mod_name, name in wanted.items():
+        sites = calls.get(mod_name, [])
+        if len(sites) != 1:
+            report.skipped[name] = ("not called in the traced model" if not sites
+                                    else f"called {len(sites)} times in the traced model")
+        else:
+            consumers[mod_name] = sites[0]
+
+    done: set[str] = set()
+    for mod_name, node in consumers.items():
+        if mod_name in done:
+            continue
+        try:
+            producer = _find_producer(node, modules)
+            group, path = _closure(producer, consumers, wanted, modules, calls)
+        except _Skip as why:
+            report.skipped[wanted[mod_name]] = str(why)
+            done.add(mod_name)
+            continue
+        done.update(group)
+        group_names = [wanted[c] for c in group]
+        try:
+            _check_group(producer, group, path, modules, calls, owners, m)
+        except _Skip as why:
+            for name in group_names:
+                report.skipped[name] = str(why)
+            continue
+        report.groups.append(_permute_group(model, producer.target, group, group_names, path, n, m, seed))
+    # keep the skipped dict in the order the names were given
+    order = list(dict.fromkeys(names))
+    report.skipped = {k: report.skipped[k] for k in order if k in report.skipped}
+    return report
+
+
+def _closure(producer: torch.fx.Node, consumers: dict[str, torch.fx.Node], listed, modules, calls):
+    """Everything the producer's output flows into: the consumers (module names, graph order)
+    and the pass-through/BatchNorm nodes; any other use raises _Skip."""
+    kind = _kind(modules[producer.target])
+    group: list[str] = []
+    path: list[torch.fx.Node] = []
+    todo = [producer]
+    seen = {producer}
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            where = f"the output of '{producer.target}'" + ("" if node is producer else f" (through {node.name})")
+            if user.op == "call_module" and user.target in consumers and consumers[user.target] is user:
+                if not _only_first_arg(user, node):
+                    raise _Skip(f"{where} is passed to {_describe(user, modules)} in an unexpected way")
+                group.append(user.target)
+                seen.add(user)
+                continue
+            if (_is_pass(user, modules) or _is_bn(user, modules, kind)) and _only_first_arg(user, node):
+                seen.add(user)
+                path.append(user)
+                todo.append(user)
+                continue
+            extra = ""
+            if user.op == "call_module" and _supported_weight(modules[user.target]):
+                extra = " (called more than once)" if user.target in listed else " (not in names)"
+            raise _Skip(f"{where} is also used by {_describe(user, modules)}{extra}; "
+                        "permuting it would change the model's function")
+    order = {node: i for i, node in enumerate(producer.graph.nodes)}
+    group.sort(key=lambda t: order[calls[t][0]])
+    path.sort(key=order.__getitem__)
+    return group, path
+
+
+def _check_group(producer, group, path, modules, calls, owners, m):
+    prod = modules[producer.target]
+    if len(calls[producer.target]) != 1:
+        raise _Skip(f"its producer '{producer.target}' is called more than once")
+    channels = prod.weight.shape[0]
+    for c in group:
+        if modules[c].weight.shape[1] != channels:
+            raise _Skip(f"'{c}' takes {modules[c].weight.shape[1]} channels but '{producer.target}' "
+                        f"makes {channels}")
+    for node in path:
+        if node.op == "call_module" and isinstance(modules[node.target], _BATCHNORMS):
+            if len(calls[node.target]) != 1:
+                raise _Skip(f"BatchNorm '{node.target}' on the path is called more than once")
+            if modules[node.target].num_features != channels:
+                raise _Skip(f"BatchNorm '{node.target}' has {modules[node.target].num_features} "
+                            f"features, not {channels}")
+    if channels % m:
+        raise _Skip(f"{channels} channels are not a multiple of m={m}")
+    for mod_name in [producer.target, *group, *(p.target for p in path if p.op == "call_module")]:
+        for t in [*modules[mod_name].parameters(recurse=False), *modules[mod_name].buffers(recurse=False)]:
+            if len(owners.get(id(t), [])) > 1:
+                raise _Skip(f"'{mod_name}' shares a tensor with {', '.join(owners[id(t)])}")
+
+
+def _permute_group(model, producer: str, group, group_names, path, n, m, seed) -> PermutationGroup:
+    modules = dict(model.named_modules())
+    matrix = torch.cat([_as_columns(modules[c].weight).float().cpu() for c in group])
+    before = kept_magnitude(matrix, n, m)
+    perm = search_permutation(matrix, n, m, seed=seed)
+    after = kept_magnitude(matrix[:, perm], n, m)
+    bns = [p.target for p in path if p.op == "call_module" and isinstance(modules[p.target], _BATCHNORMS)]
+    if not torch.equal(perm, torch.arange(perm.numel())):
+        with torch.no_grad():
+            prod = modules[producer]
+            _permute_(prod.weight, perm, 0)
+            if prod.bias is not None:
+                _permute_(prod.bias, perm, 0)
+            for b in bns:
+                bn = modules[b]
+                for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var):
+                    if t is not None:
+                        _permute_(t, perm, 0)
+            for c in group:
+                _permute_(modules[c].weight, perm, 1)
+    return PermutationGroup(consumers=list(group_names), producer=producer, batchnorms=bns,
+                            kept_before=before, kept_after=after)
+
+
+def _permute_(t: torch.Tensor, perm: torch.Tensor, dim: int) -> None:
+    t.copy_(t.index_select(dim, perm.to(t.device)))

@@ -1,0 +1,69 @@
+"""ASP: one-shot prune with a fixed mask, and the function-preserving channel permutation."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nmcompile
+
+import reference
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def test_permutation_keeps_the_dense_function_and_raises_kept_magnitude():
+    model = mlp()
+    x = torch.randn(16, 32)
+    before = model(x)
+    unpermuted = {n: reference.topn_mask(p, 2, 4).mul(p).abs().sum() for n, p in model.named_parameters() if p.dim() == 2}
+    report = nmcompile.annotate(model, "asp:2:4")
+    perm_report = report.prepared["asp:2:4"]
+    torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-5)  # same dense function
+    assert {n for g in perm_report.groups for n in g.consumers} == {"2.weight", "4.weight"}
+    assert "0.weight" in perm_report.skipped  # its input is the model input
+    assert perm_report.total_gain > 0
+    for name in ("2.weight", "4.weight"):
+        p = model.get_parameter(name)
+        assert (p * getattr(model.get_submodule(name[0]), "weight_nm_mask")).abs().sum() > unpermuted[name]
+    assert str(perm_report)
+
+
+def test_mask_never_changes_and_pruned_weights_get_no_update():
+    model = mlp()
+    nmcompile.annotate(model, "asp:2:4,permute=false")
+    masks = {n: b.clone() for n, b in model.named_buffers() if n.endswith("_nm_mask")}
+    pruned_before = {n: p[~model.get_buffer(n + "_nm_mask")].clone() for n, p in model.named_parameters() if p.dim() == 2}
+    compiled = torch.compile(model, backend="nmsparse")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0)
+    nmcompile.hook_optimizer(model, opt)
+    x, y = torch.randn(64, 32), torch.randn(64, 8)
+    losses = []
+    for _ in range(15):
+        loss = F.mse_loss(compiled(x), y)
+        loss.backward()
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                assert not p.grad[~model.get_buffer(n + "_nm_mask")].any()  # masked gradient
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    for n, b in model.named_buffers():
+        if n in masks:
+            assert torch.equal(b, masks[n])
+    for n, p in model.named_parameters():
+        if p.dim() == 2:
+            assert torch.equal(p[~model.get_buffer(n + "_nm_mask")], pruned_before[n])
+    assert nmcompile.check(model).ok
+    flips = nmcompile.diagnostics(model)["0.weight"]["flip_rate"]
+    assert flips.numel() == 14 and not flips.any()
+
+
+def test_permutation_through_the_backend_route_is_reported(recwarn):
+    model = mlp()
+    compiled = torch.compile(model, backend="nmsparse", options={"recipe": "asp:2:4", "inner": "aot_eager"})
+    compiled(torch.randn(4, 32))
+    assert any("channel permutation" in str(w.message) for w in recwarn)
