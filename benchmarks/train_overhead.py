@@ -6,7 +6,7 @@ runs interleaved round-robin in one process (medians), so host noise hits all of
 Variants:
   dense       torch.compile(backend="inductor")
   nm/<r>      torch.compile(backend="nmsparse") with recipe <r> (SPECS below), plus
-              nmcompile.hook_optimizer on the Adam optimizer (schedules and diagnostics every step)
+              nmcompile.hook_optimizer on the Adam optimizer (schedules; diagnostics with --diagnostics-every)
   swap/<r>    eager module swap: each Linear's weight goes through a per-layer autograd.Function
               (how the papers' reference code works), mask by torch.topk + scatter (ste, sr_ste, s_ste)
 
@@ -34,7 +34,7 @@ SPECS = {
     "sr_ste": "sr_ste:2:4",
     "s_ste": "s_ste:2:4",
     "step1": "step:2:4,total_steps=1000000",  # phase 1: dense + AutoSwitch statistic
-    "step2": "step:2:4,total_steps=1000000,t_max=0",  # phase 2 from the first step: frozen-moment update
+    "step2": "step:2:4,total_steps=1000000,t_min=0,t_max=0",  # phase 2 from the first step: frozen-moment update
     "mdgf": "mdgf:2:4",
     "sdgf": "sdgf:2:4,total_steps=1000000",  # frame 3:4 (the first) all along
     "asp": "asp:2:4,permute=false",
@@ -46,7 +46,7 @@ SPECS = {
 RECIPES = ("ste", "sr_ste", "s_ste")
 SWAPPABLE = set(RECIPES)
 WIDTH, BATCH, LAYERS = 1024, 256, 4
-DIAGNOSTICS_EVERY = 1
+DIAGNOSTICS_EVERY = 0
 
 
 def mlp() -> nn.Sequential:
@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), help=f"any of {', '.join(SPECS)}")
-    parser.add_argument("--diagnostics-every", type=int, default=1, help="0 turns mask diagnostics off")
+    parser.add_argument("--diagnostics-every", type=int, default=0, help="record mask diagnostics (0: off)")
     parser.add_argument("--no-swap", action="store_true", help="skip the eager module-swap variants")
     parser.add_argument("--compile-time", action="store_true")
     parser.add_argument("--first-step", help=argparse.SUPPRESS)

@@ -135,15 +135,12 @@ def _backward_mask_weight(w: Tensor, perm: Tensor, n: int, m: int, dim: int) -> 
 
     ``F`` is the forward mask (top-n of m along ``dim``). ``B`` groups the output axis in the
     order ``perm``: within each group of m permuted output rows, the n largest ``|W * F|`` that
-    ``F`` also keeps; then ``B`` is put back in the original row order.
+    ``F`` also keeps; then ``B`` is put back in the original row order. Since ``W * F`` is zero
+    wherever ``F`` drops, pruning it along the output axis gives ``W * B`` directly.
     """
     out_axis = 1 if dim == 0 else 0
-    forward = masks.keep_mask(w, n, m, dim)
-    kept = torch.where(forward, w, 0)
-    backward = masks.keep_mask(kept.index_select(out_axis, perm), n, m, out_axis)
-    backward = backward & forward.index_select(out_axis, perm)
-    backward = backward.index_select(out_axis, torch.argsort(perm))
-    return torch.where(backward, w, 0)
+    permuted = masks.prune(w, n, m, dim).index_select(out_axis, perm)
+    return masks.prune(permuted, n, m, out_axis).index_select(out_axis, torch.argsort(perm))
 
 
 backward_mask_weight = torch.library.custom_op(

@@ -15,6 +15,7 @@ Schedules therefore run on optimizer steps: gradient accumulation does not speed
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,7 @@ class OptimizerHook:
         self.steps = 0  # optimizer steps seen by this hook
         self._key: tuple | None = None
         self._groups: dict = {}
+        self._mask_fns: dict = {}  # recipe -> its mask function, compiled by Inductor
         self._handles = [
             optimizer.register_step_pre_hook(self._before),
             optimizer.register_step_post_hook(self._after),
@@ -98,12 +100,23 @@ class OptimizerHook:
                     w.step = w.ann.clock.advance(w.state["step"]) if recipe.clocked else self.steps
                 recipe.after_step(weights, optimizer)
                 if record:
+                    mask_of = self._mask_fn(recipe)
                     for w in weights:
-                        mask = recipe.mask(w.param, *w.state.values(), dim=w.ann.dim)
-                        w.ann.trace.record_mask(w.step, mask)
+                        w.ann.trace.record_mask(w.step, mask_of(w.param.detach(), tuple(w.state.values()), w.ann.dim))
+
+    def _mask_fn(self, recipe):
+        """``recipe.mask`` compiled (one fused pass over the weight instead of many eager ones)."""
+        fn = self._mask_fns.get(recipe)
+        if fn is None:
+            fn = self._mask_fns[recipe] = torch.compile(functools.partial(_mask_of, recipe), dynamic=False)
+        return fn
 
 
-def hook_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, diagnostics_every: int = 1) -> OptimizerHook:
+def _mask_of(recipe, weight, state, dim):
+    return recipe.mask(weight, *state, dim=dim)
+
+
+def hook_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, diagnostics_every: int = 0) -> OptimizerHook:
     """Run the recipes' schedules and diagnostics on ``optimizer``'s steps.
 
     Needed by recipes with a schedule (``step``, ``mdgf``, ``sdgf``, ``transposable``, ``bi_mask``);
@@ -113,7 +126,8 @@ def hook_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, diagno
     Args:
         model: the annotated (or compiled) model whose weights ``optimizer`` updates.
         optimizer: any ``torch.optim.Optimizer`` (STEP needs ``Adam`` or ``AdamW``).
-        diagnostics_every: record flip rate and SAD every this many steps (0: never).
+        diagnostics_every: record flip rate and SAD every this many steps (0, the default: never;
+            each record computes every weight's mask once more, see docs/benchmarks.md).
 
     Returns:
         An :class:`OptimizerHook`; ``.remove()`` detaches it.

@@ -14,10 +14,13 @@ output flows into; all of it must be one of those pass-through ops or a listed c
 permutation would change the model's output, and the group is skipped with a reason. Consumers
 fed by one producer share one permutation, searched on their weights stacked together.
 
-Use it before one-shot magnitude pruning (e.g. the ASP recipe); it changes parameter values in
-place (``copy_``), never the Parameter objects, so optimizers and attributes set on parameters
-stay valid. With BatchNorm on the path, outputs match in eval mode (in training mode the batch
-statistics are per channel too, so they match as well up to rounding).
+Use it before one-shot magnitude pruning (e.g. the ASP recipe) and before annotating: weights
+that already carry an nmcompile recipe are left alone, as their recipe state would go stale. It
+changes parameter values in place (``copy_``), never the Parameter objects, so references held
+elsewhere and attributes set on parameters stay valid; an optimizer's per-element state (e.g.
+momentum) is not permuted, so create the optimizer afterwards. With BatchNorm on the path,
+outputs match in eval mode (in training mode the batch statistics are per channel too, so they
+match as well up to rounding).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ _PASS_FUNCTIONS = {
 }
 _PASS_METHODS = {"relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_"}
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
+_ANNOTATION = "_nmcompile"  # nmcompile.annotate.ATTR: a recipe recorded on a Parameter
 
 
 @dataclass
@@ -97,10 +101,10 @@ class PermutationGroup:
 class PermutationReport:
     """What :func:`permute_channels` permuted (``groups``) and what it left alone (``skipped``)."""
 
-    n: int
-    m: int
     groups: list[PermutationGroup] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    n: int | None = None
+    m: int | None = None
 
     @property
     def total_gain(self) -> float:
@@ -117,11 +121,13 @@ class PermutationReport:
             for g in self.groups
         ]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        lines = [f"channel permutation for {self.n}:{self.m}: {len(self.groups)} group(s), "
+        pattern = f" for {self.n}:{self.m}" if self.n is not None else ""
+        lines = [f"channel permutation{pattern}: {len(self.groups)} group(s), "
                  f"total gain {100 * self.total_gain:+.2f}%"]
         if rows:
             for r in [head, *rows]:
-                lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+                cells = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                lines.append("  ".join(cells).rstrip())
         if self.skipped:
             lines.append("skipped:")
             lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
@@ -227,7 +233,7 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0) 
         mod_name, _, attr = name.rpartition(".")
         mod = modules.get(mod_name)
         if mod is None or attr != "weight" or not isinstance(getattr(mod, "weight", None), nn.Parameter):
-            report.skipped[name] = "not the weight of a module of the model"
+            report.skipped[name] = "not the weight (an nn.Parameter) of a module of the model"
         elif not isinstance(mod, _PRODUCERS):
             report.skipped[name] = f"{type(mod).__name__} is not an nn.Linear, nn.Conv1d or nn.Conv2d"
         elif getattr(mod, "groups", 1) != 1:
@@ -284,7 +290,7 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0) 
             for name in group_names:
                 report.skipped[name] = str(why)
             continue
-        report.groups.append(_permute_group(model, producer.target, group, group_names, path, n, m, seed))
+        report.groups.append(_permute_group(modules, producer.target, group, group_names, path, n, m, seed))
     # keep the skipped dict in the order the names were given
     order = list(dict.fromkeys(names))
     report.skipped = {k: report.skipped[k] for k in order if k in report.skipped}
@@ -346,13 +352,16 @@ def _check_group(producer, group, path, modules, calls, owners, m):
     if channels % m:
         raise _Skip(f"{channels} channels are not a multiple of m={m}")
     for mod_name in [producer.target, *group, *(p.target for p in path if p.op == "call_module")]:
-        for t in [*modules[mod_name].parameters(recurse=False), *modules[mod_name].buffers(recurse=False)]:
+        for pname, t in [*modules[mod_name].named_parameters(recurse=False),
+                         *modules[mod_name].named_buffers(recurse=False)]:
             if len(owners.get(id(t), [])) > 1:
                 raise _Skip(f"'{mod_name}' shares a tensor with {', '.join(owners[id(t)])}")
+            if getattr(t, _ANNOTATION, None) is not None:
+                raise _Skip(f"'{mod_name}.{pname}' already carries an nmcompile recipe whose state "
+                            "would no longer match; permute before annotating")
 
 
-def _permute_group(model, producer: str, group, group_names, path, n, m, seed) -> PermutationGroup:
-    modules = dict(model.named_modules())
+def _permute_group(modules, producer: str, group, group_names, path, n, m, seed) -> PermutationGroup:
     matrix = torch.cat([_as_columns(modules[c].weight).float().cpu() for c in group])
     before = kept_magnitude(matrix, n, m)
     perm = search_permutation(matrix, n, m, seed=seed)

@@ -38,7 +38,7 @@ def test_mask_never_changes_and_pruned_weights_get_no_update():
     pruned_before = {n: p[~model.get_buffer(n + "_nm_mask")].clone() for n, p in model.named_parameters() if p.dim() == 2}
     compiled = torch.compile(model, backend="nmsparse")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0)
-    nmcompile.hook_optimizer(model, opt)
+    nmcompile.hook_optimizer(model, opt, diagnostics_every=1)
     x, y = torch.randn(64, 32), torch.randn(64, 8)
     losses = []
     for _ in range(15):

@@ -6,7 +6,7 @@ from nmcompile.pattern import NMPattern
 
 import reference
 
-PATTERNS = [(1, 2), (2, 4), (1, 4), (2, 8), (4, 8), (1, 8), (1, 16), (1, 32)]
+PATTERNS = [(1, 2), (2, 4), (1, 4), (3, 4), (2, 8), (4, 8), (1, 8), (1, 16), (1, 32)]
 
 
 def test_hand_computed_2_4_mask():
@@ -29,7 +29,7 @@ def test_masks_match_reference(n, m):
     torch.testing.assert_close(masks.soft_threshold(w, n, m, 1), reference.soft_threshold(w, n, m, 1))
 
 
-@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (4, 8)], ids=lambda v: str(v))
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (3, 4), (4, 8)], ids=lambda v: str(v))
 def test_ties_keep_exactly_n_lower_index_first(n, m):
     w = torch.randint(-2, 3, (64, 4 * m)).float()  # many ties and all-zero groups
     keep = masks.keep_mask(w, n, m, 1)

@@ -301,6 +301,18 @@ def test_unsafe_permutations_are_skipped_and_the_model_left_alone(make, names, r
         assert torch.equal(v, state[k]), k
 
 
+def test_already_annotated_weights_are_left_alone():
+    from nmcompile.annotate import ATTR
+
+    model = MLP()
+    setattr(model.fc1.weight, ATTR, object())  # as if a recipe (with state) were recorded on it
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = permute_channels(model, ["fc2.weight", "fc3.weight"], 2, 4)
+    assert [g.consumers for g in report.groups] == [["fc3.weight"]]
+    assert "fc1.weight" in report.skipped["fc2.weight"] and "nmcompile recipe" in report.skipped["fc2.weight"]
+    assert torch.equal(model.fc1.weight, state["fc1.weight"])
+
+
 def test_parameters_stay_the_same_objects():
     model = _randomize_bn(CNN())
     before = dict(model.named_parameters())

@@ -36,9 +36,9 @@ Bound on the work: ``max_evals`` work units in all (default ``2**32``; a unit is
 every round, so one round more than the budget can run: a round costs about
 ``C * rows * (C + 32)`` units when all groups are searched together (at most ``2**27`` plus the
 statistics) and ``C * rows * (16 m + 32)`` in blocks. ``time_limit`` (seconds) is checked at the
-same points. On a 2-core CPU about 1e9 units take a second: 512 x 512 at 2:4 converges in about
-0.5 s, 2048 x 2048 stops at the default budget after about 3 s. The result is compared with the
-identity at the end, and the identity is returned unless the permutation keeps strictly more.
+same points. An unloaded 2-core CPU does about 1e9 units a second: 512 x 512 at 2:4 converges in
+about 0.5 s, 2048 x 2048 stops at the default budget after about 3 s. The result is compared with
+the identity at the end, and the identity is returned unless the permutation keeps strictly more.
 """
 
 from __future__ import annotations
@@ -261,8 +261,9 @@ def search_permutation(
     ``kept_magnitude(matrix[:, perm], n, m) >= kept_magnitude(matrix, n, m)``.
 
     Returns a CPU ``LongTensor``; the identity when ``C <= m``, ``n`` is 0 or ``m``, or no swap
-    helps. Deterministic for a given ``seed``; see the module docstring for the algorithm and the
-    bounds set by ``max_rounds``, ``time_limit`` (seconds) and ``max_evals``.
+    helps. Deterministic for a given ``seed`` (unless ``time_limit`` cuts the search short); see
+    the module docstring for the algorithm and the bounds set by ``max_rounds``, ``time_limit``
+    (seconds) and ``max_evals``.
     """
     _check(matrix, n, m)
     rows, c = matrix.shape

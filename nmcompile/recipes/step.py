@@ -131,15 +131,18 @@ class STEP(Recipe):
             if group["weight_decay"] and not _decoupled(optimizer, group):
                 g = g + group["weight_decay"] * p.float()
             v = optimizer.state.get(p, {}).get("exp_avg_sq")
-            change = ((1 - group["betas"][1]) * (g * g - (0 if v is None else v.float()))).abs()
+            # |dv| / (1 - b2) = |g^2 - v|: the constant factor is applied to the mean below
+            change = g * g if v is None else torch.addcmul(v.float(), g, g, value=-1)
             if self.z_option == 1:
-                total = total + change.sum()
+                total = total + torch.linalg.vector_norm(change, ord=1)
             else:
-                total = total + torch.where(change > 0, change, eps).log().sum()
+                floor = eps / (1 - group["betas"][1])
+                total = total + torch.where(change != 0, change.abs(), floor).log_().sum()
             count += change.numel()
         if count == 0:
             return
-        z = total / count if self.z_option == 1 else torch.exp(total / count)
+        scale = 1 - self.beta2
+        z = scale * total / count if self.z_option == 1 else scale * torch.exp(total / count)
         done = weights[0].ann.clock.read(weights[0].state["step"])  # steps before this one
         t = done + 1
         samples = min(t, self.window)
@@ -175,9 +178,9 @@ class STEP(Recipe):
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         frozen = w.state["v"]
-        live = state["exp_avg_sq"].float() / (1 - beta2**t)
+        live = state["exp_avg_sq"].float()
         bias1 = 1 - beta1**t
-        denom = (torch.where(frozen > 0, frozen, live).sqrt() + group["eps"]).to(p.dtype)
+        denom = torch.where(frozen > 0, frozen, live / (1 - beta2**t)).sqrt_().add_(group["eps"]).to(p.dtype)
         p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
         w.scratch["grad"] = p.grad
         p.grad = None  # the optimizer's own step skips parameters without a gradient
