@@ -12,7 +12,7 @@ op                                 forward                          gradient w.r
 ``prune_decay(w, n, m, dim, lam)`` top-n of every m                 ``g + lam * (w - out)``
                                                                     (= ``g + lam * (1 - mask) * w``)
 ``soft_threshold(w, beta, ...)``   ``beta * S(w)``                   ``g`` (straight-through, no beta)
-``backward_mask_weight(w, perm,..)`` Bi-Mask's DGRAD weight ``W*B``   none (used on detached weights)
+``backward_mask_weight(kept, perm,..)`` ``W*B`` from ``W*F`` (Bi-Mask) none (used on detached weights)
 =================================  ==============================  ==================================
 
 Two ops replace the GEMM itself where a recipe changes its backward (the weight gradient, the
@@ -130,8 +130,8 @@ def _conv(
     return torch.ops.aten.convolution(x, w, bias, stride, padding, dilation, False, [0] * len(stride), groups)
 
 
-def _backward_mask_weight(w: Tensor, perm: Tensor, n: int, m: int, dim: int) -> Tensor:
-    """Bi-Mask's DGRAD weight ``W * B``.
+def _backward_mask_weight(kept: Tensor, perm: Tensor, n: int, m: int, dim: int) -> Tensor:
+    """Bi-Mask's DGRAD weight ``W * B`` from the forward weight ``kept = W * F``.
 
     ``F`` is the forward mask (top-n of m along ``dim``). ``B`` groups the output axis in the
     order ``perm``: within each group of m permuted output rows, the n largest ``|W * F|`` that
@@ -139,7 +139,7 @@ def _backward_mask_weight(w: Tensor, perm: Tensor, n: int, m: int, dim: int) -> 
     wherever ``F`` drops, pruning it along the output axis gives ``W * B`` directly.
     """
     out_axis = 1 if dim == 0 else 0
-    permuted = masks.prune(w, n, m, dim).index_select(out_axis, perm)
+    permuted = kept.index_select(out_axis, perm)
     return masks.prune(permuted, n, m, out_axis).index_select(out_axis, torch.argsort(perm))
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nmcompile.masks import transposable as tp
+from nmcompile.masks import transposable_exact as tpx
 from nmcompile.masks.transposable import is_transposable, tile_counts, transposable_mask
 
 try:
@@ -111,7 +112,7 @@ def weights(kind, shape, gen):
 
 
 def test_2_4_table_is_all_90_patterns():
-    table = tp._pattern_table(2, 4)
+    table = tpx._pattern_table(2, 4)
     assert table.shape == (90, 16)
     rows = {tuple(p.tolist()) for p in table.int()}
     assert len(rows) == 90, "patterns repeat"
@@ -125,7 +126,7 @@ def test_2_4_table_is_all_90_patterns():
 
 def test_2_4_exact_reaches_every_pattern():
     # a tile equal to a pattern has that pattern as its unique optimum (8 against at most 7)
-    table = tp._pattern_table(2, 4).reshape(-1, 4, 4)
+    table = tpx._pattern_table(2, 4).reshape(-1, 4, 4)
     w = torch.cat(list(table.float()), dim=1)  # [4, 4 * 90]
     got = transposable_mask(w, 2, 4, "exact")
     assert torch.equal(got, w.bool())
@@ -163,7 +164,7 @@ def test_all_zero_and_low_precision_weights(method):
 def test_ties_are_broken_the_documented_way():
     zero = torch.zeros(4, 4)
     # exact: the first table pattern, rows taking columns (0, 1), (0, 1), (2, 3), (2, 3)
-    first = tp._pattern_table(2, 4)[0].reshape(4, 4)
+    first = tpx._pattern_table(2, 4)[0].reshape(4, 4)
     assert torch.equal(transposable_mask(zero, 2, 4, "exact"), first)
     assert first[:, :2].all(1).tolist() == [True, True, False, False]
     # greedy: row-major visiting order, the same picture
@@ -197,7 +198,7 @@ def test_flow_solver_equals_table_on_4x4(n):
     # the general solver against the enumeration, with ties (integer weights) and without
     gen = torch.Generator().manual_seed(5)
     for a in [torch.rand(400, 4, 4, generator=gen), torch.randint(0, 3, (400, 4, 4), generator=gen).float()]:
-        flow, table = tp._exact_by_flow(a, n), tp._exact_by_table(a, n)
+        flow, table = tpx._exact_by_flow(a, n), tpx._exact_by_table(a, n)
         assert (flow.sum(1) == n).all() and (flow.sum(2) == n).all()
         kept_flow, kept_table = (a.double() * flow).sum((1, 2)), (a.double() * table).sum((1, 2))
         torch.testing.assert_close(kept_flow, kept_table, rtol=1e-12, atol=0)

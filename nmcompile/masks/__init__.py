@@ -4,7 +4,8 @@ Every function groups ``m`` consecutive elements along ``dim`` (see :mod:`nmcomp
 
 - :mod:`.topn`: top-N of M masks, pruning, S-STE's soft threshold and its scale.
 - :mod:`.mvue`: the minimum-variance unbiased N:M estimator for gradients.
-- :mod:`.transposable`: masks that are N:M along both axes of every M x M tile.
+- :mod:`.transposable` (and its exact solvers, :mod:`.transposable_exact`): masks that are N:M
+  along both axes of every M x M tile.
 - :mod:`.permutation`: channel orders that raise the magnitude an N:M mask keeps.
 """
 

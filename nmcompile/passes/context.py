@@ -30,7 +30,8 @@ class PassContext:
     skipped: dict[str, str] = field(default_factory=dict)
     candidates: list[str] = field(default_factory=list)  # every weight consumed by a GEMM/conv
     declared: bool = False  # whether any route declared a recipe (even "dense") for some weight
-    projected: dict[str, tuple[fx.Node, fx.Node | None]] = field(default_factory=dict)  # fqn -> (fwd, dgrad)
+    # fqn -> (forward weight node, DGRAD weight node or None, the model's nodes that consume it)
+    projected: dict[str, tuple[fx.Node, fx.Node | None, tuple[fx.Node, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.declared = self.declared or self.options_plan is not None or self.env_plan is not None

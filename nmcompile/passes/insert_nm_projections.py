@@ -43,7 +43,7 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
         with graph.inserting_before(first_op):
             frame = {} if target.frame is None else {"frame": target.frame}
             projected = target.recipe.project(weight_proxy, *state_proxies, dim=target.dim, **frame).node
-            dgrad = target.recipe.dgrad_weight(weight_proxy, *state_proxies, dim=target.dim)
+            dgrad = target.recipe.dgrad_weight(fx.Proxy(projected, tracer), *state_proxies, dim=target.dim)
             dgrad = None if dgrad is None else dgrad.node
         before = model_users[target.fqn]
         with fake_mode:
@@ -52,7 +52,7 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
                     node.meta["example_value"] = torch.empty_like(weight_val)
         for user in before:  # the model's uses of the weight (not the recipe's own ops)
             user.replace_input_with(target.node, projected)
-        ctx.projected[target.fqn] = (projected, dgrad)
+        ctx.projected[target.fqn] = (projected, dgrad, tuple(before))
     graph.lint()
     gm.recompile()
     return len(ctx.targets)

@@ -6,7 +6,7 @@
 
 Only for targets whose recipe sets ``wgrad="mvue12"/"mvue24"``, ``fp8`` or a separate DGRAD weight
 (Bi-Mask); every other GEMM keeps aten's backward. Runs after :mod:`.insert_nm_projections`, which
-records each target's projected and DGRAD weight nodes in ``ctx.projected``.
+records each target's projected and DGRAD weight nodes and the model's uses in ``ctx.projected``.
 """
 
 from __future__ import annotations
@@ -33,13 +33,11 @@ def rewrite_nm_consumers(gm: fx.GraphModule, ctx: PassContext) -> int:
         recipe = target.recipe
         if not recipe.rewrites_consumer:
             continue
-        weight, dgrad = ctx.projected[target.fqn]
+        weight, dgrad, uses = ctx.projected[target.fqn]
         dgrad = dgrad if dgrad is not None else weight
         mvue_n, mvue_m = recipe.mvue or (0, 0)
         cache: dict = {}
-        for user in list(weight.users):
-            if user is dgrad or user.target is torch.t:
-                continue
+        for user in uses:
             ops = _graph.gemm_operands(user, weight)
             if ops is None:  # find_nm_weights skips weights with such uses; reaching here is a bug
                 raise RuntimeError(f"{target.fqn}: cannot route {user.format_node()} through nmsparse ops")

@@ -89,8 +89,11 @@ class Recipe:
         """
         raise NotImplementedError
 
-    def dgrad_weight(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor | None:
-        """The weight the input gradient (DGRAD) uses, when it differs from the forward's (Bi-Mask)."""
+    def dgrad_weight(self, projected: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """The weight the input gradient (DGRAD) uses, when it differs from the forward's (Bi-Mask).
+
+        ``projected`` is :meth:`project`'s output, so the forward mask is not computed twice.
+        """
         return None
 
     def mask(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:

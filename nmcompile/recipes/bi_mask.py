@@ -82,8 +82,8 @@ class BiMask(Recipe):
             return torch.ops.nmsparse.prune_decay(weight, self.n, self.m, dim, float(self.decay))
         return torch.ops.nmsparse.prune(weight, self.n, self.m, dim)
 
-    def dgrad_weight(self, weight, step, perm, dim):
-        return torch.ops.nmsparse.backward_mask_weight(weight.detach(), perm, self.n, self.m, dim)
+    def dgrad_weight(self, projected, step, perm, dim):
+        return torch.ops.nmsparse.backward_mask_weight(projected.detach(), perm, self.n, self.m, dim)
 
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
