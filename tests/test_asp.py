@@ -35,7 +35,7 @@ def test_mask_never_changes_and_pruned_weights_get_no_update():
     model = mlp()
     nmcompile.annotate(model, "asp:2:4,permute=false")
     masks = {n: b.clone() for n, b in model.named_buffers() if n.endswith("_nm_mask")}
-    pruned_before = {n: p[~model.get_buffer(n + "_nm_mask")].clone() for n, p in model.named_parameters() if p.dim() == 2}
+    pruned_before = {n: p[~model.get_buffer(n + "_nm_mask").bool()].clone() for n, p in model.named_parameters() if p.dim() == 2}
     compiled = torch.compile(model, backend="nmsparse")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0)
     nmcompile.hook_optimizer(model, opt, diagnostics_every=1)
@@ -46,7 +46,7 @@ def test_mask_never_changes_and_pruned_weights_get_no_update():
         loss.backward()
         for n, p in model.named_parameters():
             if p.dim() == 2:
-                assert not p.grad[~model.get_buffer(n + "_nm_mask")].any()  # masked gradient
+                assert not p.grad[~model.get_buffer(n + "_nm_mask").bool()].any()  # masked gradient
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
@@ -56,7 +56,7 @@ def test_mask_never_changes_and_pruned_weights_get_no_update():
             assert torch.equal(b, masks[n])
     for n, p in model.named_parameters():
         if p.dim() == 2:
-            assert torch.equal(p[~model.get_buffer(n + "_nm_mask")], pruned_before[n])
+            assert torch.equal(p[~model.get_buffer(n + "_nm_mask").bool()], pruned_before[n])
     assert nmcompile.check(model).ok
     flips = nmcompile.diagnostics(model)["0.weight"]["flip_rate"]
     assert flips.numel() == 14 and not flips.any()

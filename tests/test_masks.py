@@ -98,3 +98,21 @@ def test_inductor_compiled_masks_match_reference(shape, dim):
     soft = torch.compile(masks.soft_threshold, backend="inductor", fullgraph=True)
     torch.testing.assert_close(prune(w, 2, 4, dim), w * reference.topn_mask(w, 2, 4, dim))
     torch.testing.assert_close(soft(w, 2, 4, dim), reference.soft_threshold(w, 2, 4, dim))
+
+
+@pytest.mark.parametrize("n,m", [(1, 2), (1, 4), (2, 4), (3, 4), (1, 8), (4, 8), (7, 8), (3, 16)], ids=str)
+@pytest.mark.parametrize("shape,dim", [((32, 48), 0), ((8, 32, 2, 3), 1), ((8, 16, 32), 1)], ids=str)
+def test_groups_along_a_leading_dim_match_reference(n, m, shape, dim):
+    """Groups followed by >= 16 elements are compared run against run (m <= 8); m = 16 takes the rank path."""
+    if shape[dim] % m:
+        pytest.skip("dim not divisible by m")
+    w = torch.randn(shape)
+    w.select(dim, 0).zero_()  # all-zero groups
+    w.narrow(dim + 1, 0, 1).round_()  # ties
+    expected = reference.topn_mask(w, n, m, dim)
+    torch.testing.assert_close(masks.keep_mask(w, n, m, dim), expected)
+    torch.testing.assert_close(masks.prune(w, n, m, dim), w * expected)
+    if (n, m) in ((2, 4), (1, 8)) and len(shape) == 2:  # Inductor's code for the same math
+        torch.testing.assert_close(torch.compile(masks.prune)(w, n, m, dim), w * expected)
+        torch.testing.assert_close(torch.compile(masks.keep_mask)(w, n, m, dim), expected)
+    assert (expected.movedim(dim, -1).unflatten(-1, (-1, m)).sum(-1) == n).all()

@@ -12,6 +12,11 @@ and last group of each row, which would need reads outside the row, take the gen
 three pieces are joined by ``cat``, which Inductor writes in place. On one 2-core CPU this made a
 2:4 training step cost 1.04-1.08x a dense one, against 1.2-1.7x for a rank tensor over the
 group dimension (see docs/benchmarks.md).
+
+Groups along a dimension that is not the last (a linear weight's ``out`` axis, a conv's input
+channels) are m contiguous runs of the following elements: each member is compared run against
+run, with "beaten by at least n others" written in ``&``/``|`` (0.25 ms for a 1024 x 1024 2:4 prune
+along ``out`` on the same CPU, against 0.82 ms through a transposed view).
 """
 
 from __future__ import annotations
@@ -123,8 +128,47 @@ def _soft_threshold_2_4(w: torch.Tensor, scale) -> torch.Tensor:
     return _join_2_4(w, middle, lambda g: _shrink(g, _threshold(g, 2, 4), scale))
 
 
+def _at_least(bools: list[torch.Tensor], k: int) -> torch.Tensor:
+    """Whether at least ``k`` (>= 1) of ``bools`` hold, in ``&``/``|`` only (which Inductor vectorises)."""
+    count: list = [None] * (k + 1)  # count[t]: at least t of the bools seen so far
+    for b in bools:
+        for t in range(k, 0, -1):
+            if t > 1 and count[t - 1] is None:
+                continue
+            more = b if t == 1 else count[t - 1] & b
+            count[t] = more if count[t] is None else count[t] | more
+    return count[k]
+
+
+def _across(w: torch.Tensor, m: int, dim: int) -> torch.Tensor | None:
+    """``w`` as ``[..., groups, m, rest]`` when ``dim`` is followed by at least a vector of elements.
+
+    Then the m members of a group are m contiguous runs ``rest`` apart, and the mask is computed
+    run against run, lanes across ``rest`` (no transposed copy). None when that does not pay.
+    """
+    dim = dim % w.dim()
+    rest = 1
+    for size in w.shape[dim + 1 :]:
+        rest *= size
+    if dim == w.dim() - 1 or rest < 16 or m > 8:
+        return None
+    return w.reshape(*w.shape[:dim], w.shape[dim] // m, m, rest)
+
+
+def _dropped_across(v: torch.Tensor, n: int, m: int) -> list[torch.Tensor]:
+    """Per member of ``v``'s group axis (-2): whether at least n others beat it (ties: lower index)."""
+    a = v.abs().unbind(-2)
+    return [
+        _at_least([(a[k] >= a[j]) if k < j else (a[k] > a[j]) for k in range(m) if k != j], n)
+        for j in range(m)
+    ]
+
+
 def keep_mask(w: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tensor:
     """Boolean mask keeping the ``n`` largest-magnitude entries of every ``m`` along ``dim``."""
+    v = _across(w, m, dim)
+    if v is not None and n < m:
+        return torch.stack([~d for d in _dropped_across(v, n, m)], -2).reshape(w.shape)
     v = w.movedim(dim, -1)
     keep = _keep_n_4(v, n) if m == 4 and _fast_2_4(v) else _rank_keep(v, n, m)
     return keep.movedim(-1, dim)
@@ -132,6 +176,11 @@ def keep_mask(w: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tensor:
 
 def prune(w: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tensor:
     """``w`` with all but the top-``n`` magnitudes of every ``m`` set to zero."""
+    v = _across(w, m, dim)
+    if v is not None and n < m:
+        zero = torch.zeros((), dtype=w.dtype, device=w.device)
+        dropped = _dropped_across(v, n, m)
+        return torch.stack([torch.where(d, zero, v.select(-2, j)) for j, d in enumerate(dropped)], -2).reshape(w.shape)
     v = w.movedim(dim, -1)
     if m == 4 and _fast_2_4(v):
         out = _prune_n_4(v, n)
@@ -167,3 +216,20 @@ def count_violations(t: torch.Tensor, n: int, m: int, dim: int = -1) -> tuple[in
     """``(groups with more than n non-zeros, total groups)`` of ``t`` along ``dim``."""
     nonzero = _grouped((t.detach() != 0).movedim(dim, -1), m).sum(-1)
     return int((nonzero > n).sum()), nonzero.numel()
+
+
+#: dtype of masks kept as recipe state. ``uint8`` rather than ``bool``: Inductor's CPU backend
+#: vectorises a multiply by a ``uint8`` mask (0.13 ms for a 1024 x 1024 weight) but not a
+#: ``where`` on a ``bool`` one (1.6 ms), measured on torch 2.13.
+STORED_MASK_DTYPE = torch.uint8
+
+
+def store_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as a 0/1 ``uint8`` state tensor (see :data:`STORED_MASK_DTYPE`)."""
+    return mask.to(STORED_MASK_DTYPE)
+
+
+def apply_mask(weight: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """``weight`` with the entries a stored 0/1 mask drops set to zero (differentiable: the
+    gradient is masked the same way). Finite weights only: a multiply keeps NaN and inf."""
+    return weight * stored.to(weight.dtype)

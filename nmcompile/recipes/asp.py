@@ -27,16 +27,16 @@ class ASP(Recipe):
     permute: bool = True  # search input-channel permutations first (annotate only)
 
     def init_state(self, weight, dim):
-        return {"mask": masks.keep_mask(weight.detach(), self.n, self.m, dim)}
+        return {"mask": masks.store_mask(masks.keep_mask(weight.detach(), self.n, self.m, dim))}
 
     def example_state(self, weight, dim):
-        return {"mask": torch.ones(weight.shape, dtype=torch.bool, device=weight.device)}
+        return {"mask": torch.ones(weight.shape, dtype=masks.STORED_MASK_DTYPE, device=weight.device)}
 
     def project(self, weight, mask, dim, frame=None):
-        return torch.where(mask, weight, 0)
+        return masks.apply_mask(weight, mask)
 
     def mask(self, weight, mask, dim):
-        return mask.clone()
+        return mask.bool()
 
     @property
     def prepares_model(self) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import masks
 from ..clock import new_step
 from ..masks.transposable import transposable_mask
 from ..pattern import NMPattern
@@ -21,8 +22,8 @@ from .base import Recipe
 
 
 def straight_through_mask(weight, mask):
-    """``weight * mask`` in the forward, the identity for the gradient (exact: ``w + (kept - w)``)."""
-    kept = torch.where(mask, weight, 0)
+    """``weight * mask`` (a stored 0/1 mask) in the forward, the identity for the gradient (``w + (kept - w)``)."""
+    kept = masks.apply_mask(weight, mask)
     return weight + (kept - weight).detach()
 
 
@@ -49,16 +50,16 @@ class Transposable(Recipe):
         return fits_both_axes(self, weight, dim)
 
     def init_state(self, weight, dim):
-        return {"step": new_step(weight), "mask": transposable_mask(weight.detach(), self.n, self.m)}
+        return {"step": new_step(weight), "mask": masks.store_mask(transposable_mask(weight.detach(), self.n, self.m))}
 
     def example_state(self, weight, dim):
-        return {"step": new_step(weight), "mask": torch.ones(weight.shape, dtype=torch.bool, device=weight.device)}
+        return {"step": new_step(weight), "mask": torch.ones(weight.shape, dtype=masks.STORED_MASK_DTYPE, device=weight.device)}
 
     def project(self, weight, step, mask, dim, frame=None):
         return straight_through_mask(weight, mask)
 
     def mask(self, weight, step, mask, dim):
-        return mask.clone()
+        return mask.bool()
 
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
