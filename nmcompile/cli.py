@@ -1,6 +1,6 @@
 """The ``nmcompile`` command.
 
-    nmcompile check weights.pt [--pattern 2:4] [--dim 1]   N:M compliance of a saved state dict
+    nmcompile check PATH [--pattern 2:4] [--dim 1]   N:M compliance of a state dict (.pt) or an ONNX file
     nmcompile recipes                                       the recipes, their keys and defaults
 """
 
@@ -10,20 +10,17 @@ import argparse
 import dataclasses
 import sys
 
-import torch
 
 from . import recipes
 from .inspection import check
 
 
 def _check(args) -> int:
-    state = torch.load(args.path, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        print(f"{args.path}: expected a state dict (name -> tensor), found {type(state).__name__}")
+    try:
+        report = check(args.path, args.pattern, dim=args.dim)
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"nmcompile check: {err}", file=sys.stderr)
         return 2
-    report = check(state, args.pattern, dim=args.dim)
     print(report)
     return 0 if report.ok else 1
 
@@ -38,10 +35,15 @@ def _recipes(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="nmcompile", description="N:M structured sparsity tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("check", help="N:M compliance of the tensors in a saved state dict")
-    p.add_argument("path")
-    p.add_argument("--pattern", default="2:4", help="N:M, default 2:4")
-    p.add_argument("--dim", type=int, default=1, help="grouping dim: 1 for Linear/Conv, 0 for GPT-2 Conv1D")
+    p = sub.add_parser(
+        "check", help="N:M compliance of a saved state dict (packed 2:4 entries included) or an ONNX file",
+        description="Exit status: 0 when every checked tensor complies, 1 when some do not, 2 on unreadable input. "
+        "ONNX files written by nmcompile.export_onnx are checked with the pattern and axis recorded per initializer.",
+    )
+    p.add_argument("path", help="a torch.save'd state dict (.pt/.pth) or an .onnx file")
+    p.add_argument("--pattern", default=None, help="N:M to check (default: recorded in the ONNX file, else 2:4)")
+    p.add_argument("--dim", type=int, default=1, help="grouping dim without a record: 1 for Linear/Conv and ONNX Gemm "
+                   "weights, 0 for GPT-2 Conv1D")
     p.set_defaults(run=_check)
     sub.add_parser("recipes", help="list the recipes").set_defaults(run=_recipes)
     args = parser.parse_args(argv)

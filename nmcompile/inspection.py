@@ -78,11 +78,22 @@ def _check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NM
     report[name] = WeightCheck(pattern, dim, total, bad)
 
 
+def load_state_dict(path) -> dict:
+    """A ``torch.save``'d state dict (or a checkpoint dict with a ``state_dict`` entry) from ``path``."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a state dict (name -> tensor), found {type(state).__name__}")
+    return state
+
+
 def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> CheckReport:
     """N:M compliance per weight of a model (its effective weights) or a state dict.
 
     Args:
-        obj: an annotated ``nn.Module`` or a ``{name: tensor}`` state dict.
+        obj: an annotated or finalized ``nn.Module``, a ``{name: tensor}`` state dict (packed 2:4
+            entries are unpacked), or the path of an ``.onnx`` file or a ``torch.save``'d state dict.
         pattern: ``NMPattern`` or ``"2:4"``. Default: each weight's recipe pattern for a model,
             2:4 for a state dict.
         dim: grouping dimension for state-dict tensors (1 for Linear/Conv, 0 for GPT-2 Conv1D).
@@ -92,13 +103,25 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
         pattern = NMPattern(int(n), int(m))
     report = CheckReport()
     if isinstance(obj, nn.Module):
+        from .finalize import deployed_of
+
         for name, ann, weight in _effective(obj):
             _check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim)
+        for name, param in obj.named_parameters():
+            record = deployed_of(param)
+            if record is not None:
+                _check_one(report, name, param.detach(), pattern or record.pattern, record.dim)
         return report
     if isinstance(obj, (str, os.PathLike)):
-        raise NotImplementedError("checking ONNX files is not available yet; pass a model or a state dict")
+        if os.fspath(obj).endswith(".onnx"):
+            from .backends.onnx import check_onnx
+
+            return check_onnx(obj, pattern, dim=dim)
+        return check(load_state_dict(obj), pattern, dim=dim)
     if isinstance(obj, Mapping):
-        for name, tensor in obj.items():
+        from .packed import unpack_state_dict
+
+        for name, tensor in unpack_state_dict(obj).items():
             if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
                 _check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
         return report

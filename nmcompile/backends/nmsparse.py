@@ -26,7 +26,8 @@ from torch import fx
 
 from .. import ops
 from ..annotate import ATTR, attach, state_of
-from ..passes import REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
+from ..finalize import deployed_of
+from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
 from ..passes._graph import source_name
 from ..plan import Plan
 
@@ -34,7 +35,8 @@ __all__ = ["nmsparse_backend"]
 
 log = logging.getLogger("nmcompile")
 
-NM_OPTIONS = ("recipe", "include", "exclude", "inner")
+NM_OPTIONS = ("recipe", "include", "exclude", "inner", "deploy_kernel")
+DEPLOY_KERNELS = ("auto", "dense", "cusparselt", "reference")
 INNER = ("inductor", "aot_eager", "eager")
 
 
@@ -73,15 +75,18 @@ def parse_options(options, mode):
     return plan, inner, patches
 
 
-def _compile_inner(gm: fx.GraphModule, example_inputs, inner: str, patches: dict):
+def _compile_inner(gm: fx.GraphModule, example_inputs, inner: str, patches: dict, plan_key: str = ""):
     if inner == "eager":
         return gm.forward
     if inner == "aot_eager":
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx, select_decomp_table
 
+    from .inductor import with_cache_key
+
     decompositions = {**select_decomp_table(), **ops.DECOMPOSITIONS}
-    return compile_fx(gm, example_inputs, config_patches=patches or None, decompositions=decompositions)
+    patches = with_cache_key(patches, plan_key)
+    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -110,7 +115,13 @@ class _Slot:
         self.recipe, self.dim = target.recipe, target.dim  # recipe: the one declared at compile time
 
     def annotation(self, module):
-        ann = getattr(module._parameters[self.param_name], ATTR, None)
+        param = module._parameters[self.param_name]
+        ann = getattr(param, ATTR, None)
+        if ann is None and deployed_of(param) is not None:
+            raise RuntimeError(
+                f"nmsparse: {self.fqn!r} was finalized after this model was compiled for training; compile the "
+                "finalized model again (torch.compiler.reset(), then torch.compile(model, backend='nmsparse'))"
+            )
         if ann is None:  # first time this instance is seen (options / env / region route)
             if self.recipe.prepares_model:
                 warnings.warn(
@@ -182,7 +193,7 @@ class _CompiledNM:
             node = nodes[target.node.name]
             targets.append(dataclasses.replace(target, node=node, recipe=ann.recipe, frame=frame))
         run_passes(work, REWRITE_PASSES, PassContext(targets=targets))
-        return _compile_inner(work, list(example_inputs), self.inner, self.patches)
+        return _compile_inner(work, list(example_inputs), self.inner, self.patches, repr(self.key(anns, frames)))
 
     def _check_clock(self, slot, module, step) -> None:
         """Raise when the weight changed since the last call but its clock did not (no hook)."""
@@ -261,13 +272,25 @@ def _report(ctx: PassContext) -> None:
 
 def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=None, **kwargs):
     """Dynamo backend: insert the declared N:M recipes into the graph, then compile it."""
+    options = dict(options or {})
+    deploy_kernel = options.pop("deploy_kernel", "auto")
+    if deploy_kernel not in DEPLOY_KERNELS:
+        raise ValueError(f"nmsparse option deploy_kernel={deploy_kernel!r} is not one of {', '.join(DEPLOY_KERNELS)}")
     plan, inner, patches = parse_options(options, mode)
-    ctx = PassContext(options_plan=plan, env_plan=Plan.from_env())
+    ctx = PassContext(options_plan=plan, env_plan=Plan.from_env(), deploy_kernel=deploy_kernel)
     work = _copy(gm)
     base = _copy(gm)
     run_passes(work, TRAIN_PASSES, ctx)
     _report(ctx)
     if not ctx.targets:
+        run_passes(work, DEPLOY_PASSES, ctx)
+        if ctx.deployed:
+            from .deploy import DeployRunner, record_decisions
+
+            record_decisions(ctx)
+            example = [*example_inputs, *(t for pair in ctx.compressed.values() for t in pair)]
+            key = repr([(t.fqn, t.decision) for t in ctx.deployed])
+            return DeployRunner(work, ctx, _compile_inner(work, example, inner, patches, key), len(example_inputs))
         return _compile_inner(work, list(example_inputs), inner, patches)
     owner_index: dict[str, int] = {}
     owners, slots = [], []
@@ -284,6 +307,6 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
         values = t.recipe.example_state(t.node.meta["grapharg"].example.detach(), t.dim)
         state.extend(values[key] for key in t.recipe.state_names)
     key = (tuple((t.recipe, t.dim) for t in ctx.targets), tuple(t.frame for t in ctx.targets))
-    runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches)
+    runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches, repr(key))
     _add_owner_inputs(gm, owners)
     return runner

@@ -7,11 +7,13 @@ import logging
 from torch import fx
 
 from .context import NMTarget, PassContext
+from .find_deployed_weights import find_deployed_weights
 from .find_nm_weights import find_nm_weights
 from .insert_nm_projections import insert_nm_projections
 from .rewrite_nm_consumers import rewrite_nm_consumers
+from .rewrite_sparse_gemms import rewrite_sparse_gemms
 
-__all__ = ["PassContext", "NMTarget", "TRAIN_PASSES", "REWRITE_PASSES", "run_passes"]
+__all__ = ["PassContext", "NMTarget", "TRAIN_PASSES", "REWRITE_PASSES", "DEPLOY_PASSES", "run_passes"]
 
 log = logging.getLogger("nmcompile")
 
@@ -19,6 +21,8 @@ log = logging.getLogger("nmcompile")
 REWRITE_PASSES = (insert_nm_projections, rewrite_nm_consumers)
 #: Training: find the weights and their recipes, then rewrite.
 TRAIN_PASSES = (find_nm_weights, *REWRITE_PASSES)
+#: Finalized models: decide each deployed weight's kernel, then rewrite its linears to it.
+DEPLOY_PASSES = (find_deployed_weights, rewrite_sparse_gemms)
 
 
 def run_passes(gm: fx.GraphModule, passes, ctx: PassContext) -> PassContext:

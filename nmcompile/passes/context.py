@@ -23,6 +23,16 @@ class NMTarget:
 
 
 @dataclass
+class DeployTarget:
+    node: fx.Node  # the weight placeholder
+    fqn: str
+    param: object  # the finalized nn.Parameter
+    bias: object  # the bias nn.Parameter of its first linear call, or None (timing only)
+    uses: list[fx.Node]  # the F.linear nodes it is the weight of
+    decision: object  # nmcompile.backends.dispatch.Decision
+
+
+@dataclass
 class PassContext:
     options_plan: Plan | None = None
     env_plan: Plan | None = None
@@ -32,6 +42,11 @@ class PassContext:
     declared: bool = False  # whether any route declared a recipe (even "dense") for some weight
     # fqn -> (forward weight node, DGRAD weight node or None, the model's nodes that consume it)
     projected: dict[str, tuple[fx.Node, fx.Node | None, tuple[fx.Node, ...]]] = field(default_factory=dict)
+    # deploy: finalized weights and the kernel each gets
+    deploy_kernel: str = "auto"  # auto, dense, cusparselt or reference
+    deployed: list[DeployTarget] = field(default_factory=list)
+    # fqn -> (values, meta): each sparse weight compressed by the deploy rewrite (extra graph inputs)
+    compressed: dict[str, tuple] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.declared = self.declared or self.options_plan is not None or self.env_plan is not None

@@ -11,12 +11,15 @@ from __future__ import annotations
 from torch import fx
 
 from ..annotate import annotation_of
+from ..finalize import deployed_of
 from ..recipes import parse
 from . import _graph
 from .context import NMTarget, PassContext
 
 
 def _resolve(ctx: PassContext, param, fqn: str, users):
+    if deployed_of(param) is not None:
+        return None, "finalize"  # deployed: the deploy passes take it
     ann = annotation_of(param)
     if ann is not None:
         return ann.recipe, "annotate"

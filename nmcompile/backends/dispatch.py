@@ -1,0 +1,119 @@
+"""Which kernel each finalized linear layer gets, and why: the deploy pass's per-layer decision.
+
+:func:`qualify` applies the rules that need no GPU (device, cuSPARSELt in the build, dtype, shape,
+the weight really being 2:4); :func:`measure` then times the dense and the sparse GEMM on the
+layer's real shapes and keeps the sparse kernel only where it measured faster, also finding the
+smallest token count from which it is (``min_tokens``; smaller calls, such as decoding one token,
+take the dense GEMM at run time). The decision is recorded on the parameter
+(:func:`nmcompile.deploy_report` reads it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks
+
+__all__ = ["Decision", "qualify", "measure", "DECISION_ATTR"]
+
+DECISION_ATTR = "_nmcompile_kernel"
+#: token counts tried when the graph's token count is dynamic
+TOKEN_LADDER = (1, 16, 64, 256, 1024, 4096)
+#: the sparse kernel must beat dense by this factor to be chosen
+MARGIN = 1.02
+CUSPARSELT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Decision:
+    kernel: str  # "cusparselt", "reference" or "dense"
+    reason: str
+    alg_id: int = 0
+    min_tokens: int = 0  # calls with fewer rows than this take the dense GEMM
+    speedup: float | None = None  # measured dense time / sparse time at the compiled shape
+
+    @property
+    def sparse(self) -> bool:
+        return self.kernel != "dense"
+
+    def __str__(self) -> str:
+        speed = f", {self.speedup:.2f}x measured" if self.speedup else ""
+        tokens = f", dense below {self.min_tokens} tokens" if self.min_tokens else ""
+        return f"{self.kernel}: {self.reason}{speed}{tokens}"
+
+
+def qualify(weight: torch.Tensor, requested: str, *, cusparselt_available: bool | None = None) -> Decision:
+    """The decision before any timing. ``requested``: ``auto``, ``dense``, ``cusparselt`` or ``reference``."""
+    out_f, in_f = weight.shape
+    if requested == "dense":
+        return Decision("dense", "deploy_kernel='dense' was requested")
+    bad, total = masks.count_violations(weight, 2, 4, 1)
+    if bad:
+        return Decision("dense", f"{bad}/{total} groups of 4 along 'in' keep more than 2: the weight is not 2:4")
+    if out_f % 16 or in_f % 16:
+        return Decision("dense", f"shape [{out_f}, {in_f}] is not a multiple of 16 in both dims (2:4 kernel minimum)")
+    if requested == "reference":
+        return Decision("reference", "deploy_kernel='reference': packed 2:4 weight, dense GEMM (checks the rewrite)")
+    if weight.device.type != "cuda":
+        why = f"no 2:4 kernel on {weight.device.type} (cuSPARSELt is CUDA only)"
+        return _refuse(requested, why)
+    if cusparselt_available is None:
+        cusparselt_available = torch.backends.cusparselt.is_available()
+    if not cusparselt_available:
+        return _refuse(requested, "this torch build has no cuSPARSELt")
+    if weight.dtype not in CUSPARSELT_DTYPES:
+        why = f"{weight.dtype} has no cuSPARSELt kernel here; cast the model to fp16 or bf16 (model.half())"
+        return _refuse(requested, why)
+    return Decision("cusparselt", "2:4 weight, fp16/bf16, shape qualifies")
+
+
+def _refuse(requested: str, why: str) -> Decision:
+    if requested == "cusparselt":
+        raise ValueError(f"deploy_kernel='cusparselt' cannot be used: {why}")
+    return Decision("dense", why)
+
+
+def _time(fn, reps: int = 20) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def measure(decision: Decision, weight, bias, values, tokens: int | None, in_features: int) -> Decision:
+    """Time dense vs cuSPARSELt on this layer; keep sparse only where it is faster (CUDA only)."""
+    import torch.nn.functional as F
+
+    from .inductor import sparse_linear
+
+    if decision.kernel != "cusparselt":
+        return decision
+    w = weight.detach()
+    b = None if bias is None else bias.detach()
+    ladder = (tokens,) if tokens is not None else TOKEN_LADDER
+    alg_id, faster, speedup = 0, [], None
+    with torch.no_grad():
+        for count in ladder:
+            x = torch.randn(count, in_features, device=w.device, dtype=w.dtype)
+            if count == ladder[-1]:
+                alg_id = int(torch._cslt_sparse_mm_search(values, x.t(), bias=b, transpose_result=True))
+            dense = _time(lambda: F.linear(x, w, b))
+            sparse = _time(lambda: sparse_linear(x, w, values, values.new_empty(0, dtype=torch.int16), b, "cusparselt", alg_id, 0))
+            faster.append(dense > MARGIN * sparse)
+            speedup = dense / sparse
+    if not any(faster):
+        return Decision("dense", f"cuSPARSELt measured slower than dense ({speedup:.2f}x) at {ladder[-1]} tokens", speedup=speedup)
+    first = len(faster)
+    while first > 0 and faster[first - 1]:
+        first -= 1
+    min_tokens = ladder[first] if first > 0 else 0
+    return Decision("cusparselt", decision.reason, alg_id=alg_id, min_tokens=min_tokens, speedup=speedup)

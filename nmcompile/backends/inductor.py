@@ -1,0 +1,134 @@
+"""The deploy side of the Inductor integration: the fused 2:4 linear op and the compile-cache key.
+
+``nmsparse::sparse_linear(x, weight, values, meta, bias, kernel, alg_id, min_tokens)`` computes
+``F.linear(x, weight, bias)`` for a 2:4 ``weight`` ``[out, in]``:
+
+- ``kernel="cusparselt"``: ``values`` is ``torch._cslt_compress(weight)`` (made once, when the
+  graph is compiled), the product is ``torch._cslt_sparse_mm`` with the bias fused and the
+  searched ``alg_id``; calls with fewer than ``min_tokens`` rows take the dense GEMM instead
+  (decode shapes, where the sparse kernel measured slower);
+- ``kernel="reference"``: ``values``/``meta`` are :func:`nmcompile.pack`'s format and the product
+  is a dense GEMM of the unpacked weight: the same graph, runnable and checkable on any device.
+
+Inductor keeps the op as an extern kernel (the cuSPARSELt call has no Inductor template). Its
+autograd is the dense one, so an eval-mode model with gradients enabled still differentiates.
+
+:class:`CacheKeyPass` is a no-op post-grad pass whose ``uuid()`` hashes nmcompile's version, the
+files that define its ops and passes, and the compile's plan (recipes, kernel decisions), so
+Inductor's FX graph cache and AOTAutograd's cache never serve a graph built by other code.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ..packed import Packed24, pack, unpack
+
+__all__ = ["sparse_linear", "compress", "CacheKeyPass", "KERNELS"]
+
+KERNELS = ("cusparselt", "reference")
+
+
+def _sparse_linear(
+    x: Tensor, weight: Tensor, values: Tensor, meta: Tensor, bias: Optional[Tensor], kernel: str, alg_id: int,
+    min_tokens: int,
+) -> Tensor:
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if tokens < min_tokens:
+        return F.linear(x, weight, bias)
+    if kernel == "reference":
+        return F.linear(x, unpack(Packed24(values, meta)).to(x.dtype), bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch._cslt_sparse_mm(values, x2.t(), bias=bias, transpose_result=True, alg_id=alg_id)
+    if out.shape[0] != x2.shape[0]:  # builds without the fused transpose
+        out = out.t()
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+sparse_linear = torch.library.custom_op("nmsparse::sparse_linear", _sparse_linear, mutates_args=())
+
+
+@sparse_linear.register_fake
+def _(x, weight, values, meta, bias, kernel, alg_id, min_tokens):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _setup(ctx, inputs, output):
+    x, weight = inputs[:2]
+    ctx.has_bias = inputs[4] is not None
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    dx = grad @ weight if ctx.needs_input_grad[0] else None
+    dw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
+    return dx, dw, None, None, db, None, None, None
+
+
+sparse_linear.register_autograd(_backward, setup_context=_setup)
+
+
+def compress(weight: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
+    """``(values, meta)`` of a 2:4 weight for ``kernel``: cuSPARSELt's one buffer, or the packed format."""
+    with torch.no_grad():
+        w = weight.detach().contiguous()
+        if kernel == "cusparselt":
+            from .. import masks
+
+            bad, total = masks.count_violations(w, 2, 4, 1)
+            if bad:
+                raise ValueError(f"cannot compress a {tuple(w.shape)} weight for cuSPARSELt: {bad}/{total} groups are not 2:4")
+            return torch._cslt_compress(w), w.new_empty(0, dtype=torch.int16)
+        if kernel == "reference":
+            packed = pack(w)
+            return packed.values, packed.meta
+    raise ValueError(f"unknown 2:4 kernel {kernel!r}; accepted: {', '.join(KERNELS)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _code_hash() -> str:
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class CacheKeyPass(CustomGraphPass):
+    """No-op post-grad pass whose ``uuid`` makes the compile caches specific to nmcompile's code and plan."""
+
+    def __init__(self, plan: str):
+        self.plan = plan
+
+    def __call__(self, graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        from .. import __version__
+
+        return hashlib.sha256(f"nmcompile {__version__}\n{_code_hash()}\n{self.plan}".encode()).hexdigest()
+
+
+def with_cache_key(patches: dict, plan: str) -> dict:
+    """``patches`` plus :class:`CacheKeyPass` appended to ``post_grad_custom_post_pass`` (a list from torch 2.13)."""
+    key = "post_grad_custom_post_pass"
+    current = patches.get(key, torch._inductor.config.post_grad_custom_post_pass)
+    ours = CacheKeyPass(plan)
+    if current is None:
+        combined = ours
+    elif isinstance(current, (list, tuple)):
+        combined = [*current, ours]
+    else:
+        combined = [current, ours]
+    return {**patches, key: combined}

@@ -1,0 +1,200 @@
+"""ONNX export of finalized models: dense zero-filled N:M initializers, recorded and verified.
+
+The exported file holds each finalized weight as an ordinary dense initializer with its zeros
+(what TensorRT's sparsity detection, ``trtexec --sparsity=enable`` or onnxruntime's TensorRT
+provider with ``trt_sparsity_enable``, looks at). The model's ``metadata_props`` get
+``nmcompile.sparsity``: a JSON object ``{initializer: {"pattern": "2:4", "axis": k, "parameter":
+name, "recipe": ...}}``, so :func:`check_onnx` (and ``nmcompile check file.onnx``) can verify the
+file later without the model. Requires ``onnx``, ``onnxscript`` and ``onnxruntime``
+(``pip install "nmcompile[onnx]"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..annotate import _owners, annotation_of
+from ..finalize import deployed_of
+from ..inspection import CheckReport, _check_one
+from ..pattern import NMPattern
+
+__all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]
+
+METADATA_KEY = "nmcompile.sparsity"
+TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
+
+
+@dataclass
+class OnnxExportReport:
+    path: str
+    initializers: dict[str, dict] = field(default_factory=dict)  # initializer -> its metadata entry
+    check: CheckReport | None = None
+    max_abs_diff: float | None = None  # onnxruntime vs PyTorch
+
+    def __str__(self) -> str:
+        lines = [f"nmcompile.export_onnx: {self.path}: {len(self.initializers)} N:M initializers"]
+        if self.check is not None:
+            lines.append(str(self.check))
+        if self.max_abs_diff is not None:
+            lines.append(f"onnxruntime vs PyTorch: max |diff| = {self.max_abs_diff:.3g}")
+        return "\n".join(lines)
+
+
+def _import(name: str):
+    try:
+        return __import__(name)
+    except ImportError as err:
+        raise ImportError(f"nmcompile's ONNX export needs {name!r}: pip install \"nmcompile[onnx]\"") from err
+
+
+def _finalized(model: nn.Module) -> dict[str, object]:
+    found, pending = {}, []
+    for name, places in _owners(model):
+        param = places[0][1]._parameters[places[0][2]]
+        if deployed_of(param) is not None:
+            found[name] = deployed_of(param)
+        elif annotation_of(param) is not None:
+            pending.append(name)
+    if pending:
+        raise ValueError(
+            f"export_onnx: {', '.join(pending[:3])}{' ...' if len(pending) > 3 else ''} are annotated but not "
+            "finalized; call nmcompile.finalize(model) first so the file holds the N:M weights"
+        )
+    if not found:
+        raise ValueError(
+            f"export_onnx: no weight of {type(model).__name__} is finalized; annotate, train, then "
+            "nmcompile.finalize(model) before exporting"
+        )
+    return found
+
+
+def _find_initializer(proto, numpy_helper, name: str, weight: torch.Tensor):
+    """``(initializer name, transposed)`` holding ``weight``: by name, else by content."""
+    by_name = {init.name: init for init in proto.graph.initializer}
+    if name in by_name:
+        return name, False
+    target = weight.detach().cpu().float().numpy()
+    for init in proto.graph.initializer:
+        if tuple(init.dims) == target.shape[::-1] and len(init.dims) == 2:
+            if (numpy_helper.to_array(init).astype("float32") == target.T).all():
+                return init.name, True
+        if tuple(init.dims) == target.shape and (numpy_helper.to_array(init).astype("float32") == target).all():
+            return init.name, False
+    return None, False
+
+
+def _tensors(args) -> tuple:
+    return args if isinstance(args, tuple) else (args,)
+
+
+def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, verify: bool = True,
+                opset: int | None = None, **export_kwargs) -> OnnxExportReport:
+    """Export a finalized model to ONNX, verify every N:M initializer, and compare onnxruntime with PyTorch.
+
+    Args:
+        model: a model after :func:`nmcompile.finalize`.
+        args: example input tensor or tuple of tensors (batch first when ``dynamic_batch``).
+        path: the ``.onnx`` file to write.
+        dynamic_batch: make dim 0 of every tensor input dynamic (``batch``).
+        verify: run the file with onnxruntime (CPU) and compare with the model's outputs.
+        opset: ONNX opset (default: the exporter's).
+        export_kwargs: passed to ``torch.onnx.export``.
+
+    Raises:
+        ValueError: nothing finalized, or annotated weights not finalized yet, or an initializer that
+            is not N:M. RuntimeError: onnxruntime's output differs from PyTorch's beyond the dtype's tolerance.
+    """
+    onnx = _import("onnx")
+    _import("onnxscript")
+    from onnx import numpy_helper
+
+    finalized = _finalized(model)
+    args = _tensors(args)
+    model.eval()
+    with torch.no_grad():
+        expected = model(*args)
+    if dynamic_batch:
+        batch = torch.export.Dim("batch")
+        shapes = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
+        export_kwargs.setdefault("dynamic_shapes", shapes)
+    if opset is not None:
+        export_kwargs["opset_version"] = opset
+    path = os.fspath(path)
+    torch.onnx.export(model, args, path, dynamo=True, **export_kwargs)
+    proto = onnx.load(path)
+    params = dict(model.named_parameters())
+    entries = {}
+    for name, record in finalized.items():
+        init_name, transposed = _find_initializer(proto, numpy_helper, name, params[name])
+        if init_name is None:
+            raise ValueError(
+                f"export_onnx: no initializer of {path} holds the finalized weight {name!r} (the exporter folded it "
+                "into another constant), so its N:M pattern cannot be verified"
+            )
+        axis = (1 - record.dim) if transposed else record.dim
+        entries[init_name] = {"pattern": str(record.pattern), "axis": axis, "parameter": name, "recipe": record.recipe}
+    del proto.metadata_props[:]
+    proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(entries, sort_keys=True))
+    onnx.save(proto, path)
+    result = OnnxExportReport(path, entries)
+    result.check = check_onnx(path)
+    if not result.check.ok:
+        raise ValueError(f"export_onnx: the exported weights are not N:M:\n{result.check}")
+    if verify:
+        result.max_abs_diff = _compare_with_onnxruntime(path, args, expected)
+    return result
+
+
+def _compare_with_onnxruntime(path: str, args, expected) -> float:
+    ort = _import("onnxruntime")
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), tensors)}
+    outputs = session.run(None, feeds)
+    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+    worst = 0.0
+    for got, want in zip(outputs, expected):
+        got_t = torch.from_numpy(got).to(want.dtype)
+        atol, rtol = TOLERANCE.get(want.dtype, (1e-4, 1e-3))
+        diff = (got_t.float() - want.float()).abs()
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        if not torch.allclose(got_t.float(), want.float(), atol=atol, rtol=rtol):
+            raise RuntimeError(f"export_onnx: onnxruntime differs from PyTorch by up to {worst:.3g} (atol {atol}, rtol {rtol}) in {path}")
+    return worst
+
+
+def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1) -> CheckReport:
+    """N:M compliance of an ONNX file's initializers.
+
+    Initializers recorded by :func:`export_onnx` are checked with their recorded pattern and axis;
+    without a record, every >= 2-D floating initializer is checked with ``pattern`` (default 2:4)
+    along ``dim``.
+    """
+    onnx = _import("onnx")
+    from onnx import numpy_helper
+
+    proto = onnx.load(os.fspath(path))
+    meta = {p.key: p.value for p in proto.metadata_props}
+    recorded = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
+    report = CheckReport()
+    for init in proto.graph.initializer:
+        if len(init.dims) < 2:
+            continue
+        tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
+        if not tensor.is_floating_point():
+            continue
+        if recorded is not None:
+            entry = recorded.get(init.name)
+            if entry is None:
+                report.skipped[init.name] = "not recorded as N:M by nmcompile (dense)"
+                continue
+            n, m = (int(v) for v in entry["pattern"].split(":"))
+            _check_one(report, init.name, tensor, pattern or NMPattern(n, m), int(entry["axis"]))
+        else:
+            _check_one(report, init.name, tensor, pattern or NMPattern(2, 4), dim)
+    return report

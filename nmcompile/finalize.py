@@ -1,0 +1,150 @@
+"""From a sparse-trained model to a plain one: each layer's effective weight baked into its parameter.
+
+:func:`finalize` writes the weight each annotated layer's forward uses (S-STE: ``beta * S(W)``,
+MDGF at the end of its decay: the binary mask, ASP and transposable: the stored mask) into the
+parameter, removes the recipe state buffers and the annotation, and records on the parameter
+that it is a deployed N:M weight (:data:`DEPLOY_ATTR`). The model then computes the same function
+with plain modules, its ``state_dict`` loads into the model without nmcompile, and the ``nmsparse``
+backend can rewrite its GEMMs to sparse kernels.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import masks
+from .annotate import ATTR, _owners, annotation_of
+from .inspection import _effective
+from .pattern import NMPattern
+
+__all__ = ["finalize", "FinalizeReport", "Deployed", "DEPLOY_ATTR", "deployed_of", "deploy_report"]
+
+#: attribute of a finalized parameter holding its :class:`Deployed` record
+DEPLOY_ATTR = "_nmcompile_deployed"
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """A finalized weight: N:M along ``dim``, trained with ``recipe``."""
+
+    pattern: NMPattern
+    dim: int
+    recipe: str
+    change: float = 0.0  # relative L2 change of the forward weight that finalize(force=True) made
+
+
+def deployed_of(param: torch.Tensor) -> Deployed | None:
+    return getattr(param, DEPLOY_ATTR, None)
+
+
+class FinalizeReport(dict):
+    """``{parameter name: Deployed}`` of every finalized weight."""
+
+    def __str__(self) -> str:
+        lines = [f"nmcompile.finalize: {len(self)} weights are N:M"]
+        for name, d in self.items():
+            changed = f", changed by {d.change:.3g} (forced)" if d.change else ""
+            lines.append(f"  {name}: {d.pattern} along dim {d.dim} (trained with {d.recipe}){changed}")
+        return "\n".join(lines)
+
+
+def _not_nm_hint(recipe) -> str:
+    name = recipe.name
+    if name == "mdgf":
+        return "MDGF's alpha is still > 0: pruned weights still contribute; train until alpha reaches 0"
+    if name == "step":
+        return "STEP is still in its dense phase 1"
+    if name == "sdgf":
+        return "SDGF has not reached its last frame"
+    return "the forward weight is not N:M"
+
+
+def finalize(model: nn.Module, *, force: bool = False) -> FinalizeReport:
+    """Bake every annotated weight's effective weight into its parameter and drop training state.
+
+    Idempotent: calling it on a finalized model changes nothing and returns the same report.
+
+    Args:
+        model: a model annotated with :func:`nmcompile.annotate` (or compiled with a recipe
+            through backend options and run once).
+        force: when a layer's forward weight is not N:M yet (MDGF with alpha > 0, STEP in phase 1,
+            SDGF before its last frame), prune it to N:M anyway; that changes the function, and the
+            relative change is warned about and recorded in the report. Without it, such a model
+            is refused and left untouched.
+
+    Raises:
+        ValueError: nothing in ``model`` is annotated or finalized, or a layer is not N:M and
+            ``force`` is False.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"finalize takes an nn.Module, got {type(model).__name__}")
+    baked, problems, changed = [], [], []
+    for name, ann, weight in _effective(model):
+        pattern, dim = ann.recipe.pattern, ann.dim
+        bad, total = masks.count_violations(weight, pattern.n, pattern.m, dim)
+        change = 0.0
+        if bad:
+            if not force:
+                problems.append(f"{name} ({ann.recipe}): {bad}/{total} groups are not {pattern}; {_not_nm_hint(ann.recipe)}")
+                continue
+            pruned = masks.prune(weight, pattern.n, pattern.m, dim)
+            change = float((pruned - weight).float().norm() / weight.float().norm().clamp_min(1e-30))
+            changed.append(f"{name}: {change:.3g}")
+            weight = pruned
+        baked.append((name, ann, weight, Deployed(pattern, dim, str(ann.recipe), change)))
+    if problems:
+        raise ValueError(
+            "nmcompile.finalize: these layers are not N:M yet, nothing was changed:\n  "
+            + "\n  ".join(problems)
+            + "\nFinish training, or call finalize(model, force=True) to prune them (changes the function)."
+        )
+    report = FinalizeReport()
+    for name, places in _owners(model):
+        record = deployed_of(places[0][1]._parameters[places[0][2]])
+        if record is not None:
+            report[name] = record
+    if not baked and not report:
+        raise ValueError(
+            f"nmcompile.finalize: no weight of {type(model).__name__} is annotated or finalized; declare a "
+            "recipe with nmcompile.annotate(model, 'sr_ste:2:4') and train before finalizing"
+        )
+    places_of = dict(_owners(model))
+    with torch.no_grad():
+        for name, ann, weight, record in baked:
+            for _, module, pname in places_of[name]:
+                param = module._parameters[pname]
+                param.copy_(weight)
+                for buffer in ann.buffer_names(pname):
+                    module._buffers.pop(buffer, None)
+                if annotation_of(param) is not None:
+                    delattr(param, ATTR)
+                setattr(param, DEPLOY_ATTR, record)
+            report[name] = record
+    if changed:
+        warnings.warn(
+            "nmcompile.finalize(force=True) pruned layers whose forward weight was not N:M; relative "
+            "change of each weight: " + ", ".join(changed),
+            stacklevel=2,
+        )
+    return report
+
+
+def deploy_report(model: nn.Module) -> dict[str, object]:
+    """``{parameter name: kernel decision}`` for every finalized weight of ``model``.
+
+    A decision (:class:`nmcompile.backends.dispatch.Decision`: ``kernel``, ``reason``, ``alg_id``,
+    ``min_tokens``, ``speedup``) exists once ``torch.compile(model, backend="nmsparse")`` has run;
+    before that the entry is the string ``"not compiled yet"``.
+    """
+    from .backends.dispatch import DECISION_ATTR
+
+    out: dict[str, object] = {}
+    for name, places in _owners(model):
+        param = places[0][1]._parameters[places[0][2]]
+        if deployed_of(param) is not None:
+            out[name] = getattr(param, DECISION_ATTR, "not compiled yet")
+    return out

@@ -1,0 +1,136 @@
+"""The packed 2:4 format: the kept values plus 2-bit position metadata, on any device.
+
+A 2:4 weight ``[..., K]`` (groups of 4 along the last dim, at most 2 non-zeros each) packs into
+
+- ``values`` ``[..., K/2]``: the two kept entries of each group, in order (a group with fewer than
+  two non-zeros keeps zeros at its first free positions), in the weight's dtype;
+- ``meta`` ``[..., K/16]`` ``int16``: per group one nibble ``i0 | i1 << 2`` (``i0 < i1``, the kept
+  positions), four groups per 16-bit word, the lowest nibble first.
+
+That is the metadata encoding of NVIDIA's sparse tensor cores and of PyTorch's CUTLASS 2:4 kernels
+before their tile reordering (:meth:`Packed24.cutlass` applies it), so the format converts to
+what the GPU kernels take without touching the values. For fp16/bf16 it takes 9/16 = 56.25% of
+the dense bytes. :func:`pack_state_dict` / :func:`unpack_state_dict` do the same for checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from . import masks
+
+__all__ = ["Packed24", "pack", "unpack", "pack_state_dict", "unpack_state_dict"]
+
+META_SUFFIX = ".nm24_meta"
+GROUPS_PER_WORD = 4
+
+
+@dataclass(frozen=True)
+class Packed24:
+    values: torch.Tensor  # [..., K/2]
+    meta: torch.Tensor  # [..., K/16] int16
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.values.shape[:-1], self.values.shape[-1] * 2))
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.meta.numel() * self.meta.element_size()
+
+    def cutlass(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, meta)`` in the layout ``torch._sparse_semi_structured_linear`` takes (2-D fp16/bf16,
+        rows divisible by 32): the same values, the metadata words in CUTLASS's interleaved order."""
+        from torch.sparse._semi_structured_conversions import _calculate_meta_reordering_scatter_offsets
+
+        if self.values.dim() != 2 or self.values.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the CUTLASS layout takes 2-D fp16/bf16 weights, got {tuple(self.shape)} {self.values.dtype}")
+        rows, words = self.meta.shape
+        if rows % 32:
+            raise ValueError(f"the CUTLASS layout needs rows divisible by 32, got {rows}")
+        offsets = _calculate_meta_reordering_scatter_offsets(rows, words, torch.int16, self.meta.device)
+        reordered = torch.empty_like(self.meta)
+        reordered.view(-1).scatter_(0, offsets, self.meta.view(-1))
+        return self.values, reordered
+
+
+def _check_24(weight: torch.Tensor, what: str) -> None:
+    if weight.dim() < 1 or weight.shape[-1] % (4 * GROUPS_PER_WORD):
+        raise ValueError(
+            f"{what}: the last dim ({tuple(weight.shape)}) must be a multiple of 16 (four 2:4 groups per "
+            "metadata word); pad the layer's input features"
+        )
+    bad, total = masks.count_violations(weight, 2, 4, -1)
+    if bad:
+        raise ValueError(
+            f"{what}: {bad}/{total} groups of 4 along the last dim keep more than 2 non-zeros; finalize the "
+            "model first (nmcompile.finalize) or prune the weight with nmcompile.masks.prune(w, 2, 4, -1)"
+        )
+
+
+def pack(weight: torch.Tensor) -> Packed24:
+    """Pack a 2:4 weight (groups along the last dim) into values + metadata. Exact: see :func:`unpack`."""
+    _check_24(weight, "nmcompile.pack")
+    groups = weight.unflatten(-1, (-1, 4))
+    # the kept positions: non-zeros first, then zeros, each in index order (a stable sort on ==0)
+    order = torch.sort((groups == 0).to(torch.uint8), dim=-1, stable=True).indices[..., :2]
+    first, second = order.min(-1).values, order.max(-1).values
+    values = torch.stack([groups.gather(-1, first[..., None])[..., 0], groups.gather(-1, second[..., None])[..., 0]], -1)
+    nibbles = (first | (second << 2)).to(torch.int32).unflatten(-1, (-1, GROUPS_PER_WORD))
+    shifts = torch.arange(GROUPS_PER_WORD, device=weight.device, dtype=torch.int32) * 4
+    words = (nibbles << shifts).sum(-1)
+    meta = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)  # as signed 16-bit
+    return Packed24(values.flatten(-2).contiguous(), meta.contiguous())
+
+
+def unpack(packed: Packed24) -> torch.Tensor:
+    """The dense weight (zeros at the dropped positions) that :func:`pack` packed."""
+    values, meta = packed.values, packed.meta
+    if meta.dtype != torch.int16 or values.shape[-1] != meta.shape[-1] * 2 * GROUPS_PER_WORD:
+        raise ValueError(
+            f"nmcompile.unpack: values {tuple(values.shape)} and meta {tuple(meta.shape)} {meta.dtype} do not "
+            "belong together; expected int16 meta with one word per 8 values"
+        )
+    words = meta.to(torch.int32) & 0xFFFF
+    shifts = torch.arange(GROUPS_PER_WORD, device=meta.device, dtype=torch.int32) * 4
+    nibbles = ((words[..., None] >> shifts) & 0xF).flatten(-2)  # one per group
+    index = torch.stack([nibbles & 3, nibbles >> 2], -1).long()
+    groups = values.unflatten(-1, (-1, 2))
+    dense = torch.zeros((*groups.shape[:-1], 4), dtype=values.dtype, device=values.device)
+    dense.scatter_(-1, index, groups)
+    return dense.flatten(-2)
+
+
+def pack_state_dict(state: Mapping[str, torch.Tensor], names=None) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` with the 2:4 weights ``names`` (default: every >= 2-D floating tensor
+    that is 2:4 along its last dim) stored packed: ``name`` holds the values, ``name + '.nm24_meta'``
+    the metadata. Conv weights (last dim: the kernel width) stay dense."""
+    out = {}
+    for key, tensor in state.items():
+        selected = names is None or key in names
+        fits = (
+            isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.is_floating_point()
+            and tensor.shape[-1] % 16 == 0 and not masks.count_violations(tensor, 2, 4, -1)[0]
+        )
+        if names is not None and key in names and not fits:
+            raise ValueError(f"pack_state_dict: {key!r} cannot be packed as 2:4 along its last dim")
+        if selected and fits:
+            packed = pack(tensor)
+            out[key], out[key + META_SUFFIX] = packed.values, packed.meta
+        else:
+            out[key] = tensor
+    return out
+
+
+def unpack_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The dense state dict that :func:`pack_state_dict` packed (loads into the plain model)."""
+    out = {}
+    for key, tensor in state.items():
+        if key.endswith(META_SUFFIX):
+            continue
+        meta = state.get(key + META_SUFFIX)
+        out[key] = tensor if meta is None else unpack(Packed24(tensor, meta))
+    return out
