@@ -1,8 +1,10 @@
 """Train a small MLP on real data (scikit-learn's bundled 8x8 digits) with an N:M recipe.
 
 The model code is plain PyTorch: the recipe is declared with ``nmcompile.annotate`` and applied by
-``torch.compile(model, backend="nmsparse")``. At the end the effective (N:M) weights are checked and
-saved as a plain state dict, next to a dense baseline trained the same way.
+``torch.compile(model, backend="nmsparse")``, next to a dense baseline trained the same way. Then
+the deploy path: ``nmcompile.finalize`` bakes the N:M weights in, the finalized model is compiled
+for inference (per-layer kernel report), saved as a plain and as a packed 2:4 checkpoint, and
+exported to ONNX, verified N:M and checked against onnxruntime.
 
     python examples/train_digits.py --recipe s_ste:2:4 --steps 300
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
 import torch
@@ -54,7 +57,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="s_ste:2:4", help="e.g. ste:2:4, sr_ste:2:4,decay=2e-4, s_ste:1:4")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager"])
-    parser.add_argument("--out", default="digits_nm.pt", help="where to save the N:M weights")
+    parser.add_argument("--out", default="digits_nm.pt", help="where to save the N:M weights (.pt; .onnx next to it)")
     args = parser.parse_args()
     torch.manual_seed(0)
     train_set, test_set = data("cpu")
@@ -77,15 +80,31 @@ def main() -> None:
     for name, (loss, acc, seconds) in results.items():
         print(f"{name:>24}: final train loss {loss:.4f}, test accuracy {acc:.3f} ({seconds:.1f} s incl. compile)")
 
-    effective = nmcompile.effective_weights(sparse)
     check = nmcompile.check(sparse)
     print(check)
     if not check.ok:
         raise SystemExit("effective weights are not N:M")
-    state = {**sparse.state_dict(), **effective}
-    torch.save(state, args.out)
-    print(f"saved {len(effective)} N:M weights (+ the rest of the state dict) to {args.out}")
+    deploy(sparse, test_set, args.out)
 
 
+def deploy(model, test_set, out: str) -> None:
+    """Finalize, compile for inference, save plain and packed checkpoints, export and verify ONNX."""
+    print(nmcompile.finalize(model))  # effective weights baked in, training state dropped
+    model.eval()
+    torch.compiler.reset()
+    inference = torch.compile(model, backend="nmsparse")
+    print(f"finalized model, compiled for inference: test accuracy {accuracy(inference, test_set):.3f}")
+    for name, decision in nmcompile.deploy_report(model).items():
+        print(f"  {name}: {decision}")
+    torch.save(model.state_dict(), out)  # loads into the plain model, no nmcompile needed
+    packed = out.removesuffix(".pt") + ".packed.pt"
+    torch.save(nmcompile.pack_state_dict(model.half().state_dict()), packed)
+    torch.save(model.state_dict(), out + ".fp16")
+    model.float()
+    sizes = [os.path.getsize(path) for path in (out + ".fp16", packed)]
+    os.remove(out + ".fp16")
+    print(f"saved {out}; fp16 checkpoint with packed 2:4 weights: {sizes[1]} bytes, {sizes[1] / sizes[0]:.0%} of dense fp16")
+    onnx_path = out.removesuffix(".pt") + ".onnx"
+    print(nmcompile.export_onnx(model, test_set[0][:8], onnx_path))
 if __name__ == "__main__":
     main()

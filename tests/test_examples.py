@@ -19,6 +19,10 @@ def test_train_digits_example(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "+ 0.weight: s_ste:2:4" in result.stdout
     assert "N:M check: 2/2 tensors comply" in result.stdout
+    assert "nmcompile.finalize: 2 weights are N:M" in result.stdout
+    assert "0.weight: dense: no 2:4 kernel on cpu" in result.stdout  # the deploy report on a CPU machine
+    assert "onnxruntime vs PyTorch: max |diff|" in result.stdout and (tmp_path / "w.onnx").exists()
+    assert "of dense fp16" in result.stdout
     import torch
     import nmcompile
 

@@ -44,8 +44,15 @@ class Decision:
         return f"{self.kernel}: {self.reason}{speed}{tokens}"
 
 
-def qualify(weight: torch.Tensor, requested: str, *, cusparselt_available: bool | None = None) -> Decision:
-    """The decision before any timing. ``requested``: ``auto``, ``dense``, ``cusparselt`` or ``reference``."""
+def qualify(
+    weight: torch.Tensor, requested: str, *, device_type: str | None = None, cusparselt_available: bool | None = None
+) -> Decision:
+    """The decision before any timing. ``requested``: ``auto``, ``dense``, ``cusparselt`` or ``reference``.
+
+    ``device_type`` and ``cusparselt_available`` default to the weight's device and the running
+    build; tests pass them to check the CUDA rules on a CPU weight.
+    """
+    device_type = device_type or weight.device.type
     out_f, in_f = weight.shape
     if requested == "dense":
         return Decision("dense", "deploy_kernel='dense' was requested")
@@ -56,8 +63,8 @@ def qualify(weight: torch.Tensor, requested: str, *, cusparselt_available: bool 
         return Decision("dense", f"shape [{out_f}, {in_f}] is not a multiple of 16 in both dims (2:4 kernel minimum)")
     if requested == "reference":
         return Decision("reference", "deploy_kernel='reference': packed 2:4 weight, dense GEMM (checks the rewrite)")
-    if weight.device.type != "cuda":
-        why = f"no 2:4 kernel on {weight.device.type} (cuSPARSELt is CUDA only)"
+    if device_type != "cuda":
+        why = f"no 2:4 kernel on {device_type} (cuSPARSELt is CUDA only)"
         return _refuse(requested, why)
     if cusparselt_available is None:
         cusparselt_available = torch.backends.cusparselt.is_available()

@@ -152,10 +152,18 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
 
 def _compare_with_onnxruntime(path: str, args, expected) -> float:
     ort = _import("onnxruntime")
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), tensors)}
-    outputs = session.run(None, feeds)
+    try:
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), tensors)}
+        outputs = session.run(None, feeds)
+    except Exception as err:  # onnxruntime raises its own exception types
+        dtypes = sorted({str(t.dtype) for t in tensors})
+        raise RuntimeError(
+            f"export_onnx: {path} was written and its N:M weights verified, but onnxruntime's CPU provider could "
+            f"not run it to compare with PyTorch (inputs {', '.join(dtypes)}): {err}. It has no bfloat16 GEMM: "
+            "export a float16/float32 copy to compare, or pass verify=False"
+        ) from err
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     worst = 0.0
     for got, want in zip(outputs, expected):
@@ -185,9 +193,10 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1) -> Check
     for init in proto.graph.initializer:
         if len(init.dims) < 2:
             continue
-        tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
-        if not tensor.is_floating_point():
-            continue
+        array = numpy_helper.to_array(init)
+        if array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":
+            continue  # integer initializers (shapes, indices)
+        tensor = torch.from_numpy(array.astype("float32"))  # numpy has no bfloat16; exact for N:M counts
         if recorded is not None:
             entry = recorded.get(init.name)
             if entry is None:

@@ -1,0 +1,79 @@
+"""GPU timing helpers for nmcompile's benchmarks: interleaved CUDA-event medians and an environment line.
+
+Every variant of one measurement runs in the same process, round-robin (the order rotates each
+round), so clock changes and host noise hit all variants alike. Each call is bracketed by CUDA
+events with no synchronization in between, so a call's time is GPU time when the GPU is the
+bottleneck and includes launch overhead when the host is (decode-sized shapes): what a caller sees.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def env_info() -> dict:
+    """Device, torch, CUDA and cuSPARSELt versions (cuSPARSELt 0.8.0 had Hopper regressions fixed in 0.8.1)."""
+    cusparselt = torch.backends.cusparselt.version() if torch.backends.cusparselt.is_available() else None
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "capability": f"sm{props.major}{props.minor}",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cusparselt": cusparselt,
+    }
+
+
+def short_error(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first[:160]}"
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], *, reps: int, warmup: int) -> dict[str, float | str]:
+    """Median milliseconds per call of every function in ``fns``, or the error string of one that failed.
+
+    Runs under ``torch.inference_mode()``. A function that raises during warm-up is dropped from the
+    timed rounds and reported by its error; the others still run.
+    """
+    results: dict[str, float | str] = {}
+    live: dict[str, Callable[[], object]] = {}
+    with torch.inference_mode():
+        for name, fn in fns.items():
+            try:
+                for _ in range(warmup):
+                    fn()
+                torch.cuda.synchronize()
+                live[name] = fn
+            except Exception as exc:  # recorded in the table, the other variants still run
+                torch.cuda.synchronize()
+                results[name] = short_error(exc)
+        names = list(live)
+        events: dict[str, list] = {name: [] for name in names}
+        for rep in range(reps if names else 0):
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                live[name]()
+                end.record()
+                events[name].append((start, end))
+        torch.cuda.synchronize()
+    for name in names:
+        results[name] = statistics.median(s.elapsed_time(e) for s, e in events[name])
+    return results
+
+
+def cell(value: float | str | None, dense: float | str | None = None) -> str:
+    """``"1.234"`` or ``"0.617 (2.00x)"`` against ``dense``; errors shortened for a table cell."""
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value.replace("|", "/")[:60]
+    text = f"{value:.3f}"
+    if isinstance(dense, float) and value > 0:
+        text += f" ({dense / value:.2f}x)"
+    return text

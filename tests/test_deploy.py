@@ -1,0 +1,166 @@
+"""The deploy pass: per-layer kernel decisions, the rewrite to nmsparse::sparse_linear, cache keys.
+
+On CPU the rewrite is checked with the ``reference`` kernel (packed 2:4 weight, dense GEMM): same
+graph as on CUDA, where the op calls cuSPARSELt. The CUDA test runs where a GPU is present.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import nmcompile
+from nmcompile.backends.deploy import DeployRunner
+from nmcompile.backends.dispatch import qualify
+from nmcompile.backends.inductor import CacheKeyPass, with_cache_key
+from nmcompile.backends.nmsparse import nmsparse_backend
+
+SPARSE_OP = torch.ops.nmsparse.sparse_linear.default
+
+
+def finalized_mlp(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32), nn.ReLU(), nn.Linear(32, 10))
+    nmcompile.annotate(model, "sr_ste:2:4")
+    nmcompile.finalize(model)
+    return model.to(dtype).eval()
+
+
+def compile_spy(model, **options):
+    """``torch.compile`` through the nmsparse backend, keeping the runner it returns."""
+    runners = []
+
+    def backend(gm, example_inputs):
+        runner = nmsparse_backend(gm, example_inputs, options=options)
+        runners.append(runner)
+        return runner
+
+    return torch.compile(model, backend=backend), runners
+
+
+def sparse_calls(runner) -> list:
+    assert isinstance(runner, DeployRunner)
+    graph_module = runner.compiled.__self__  # inner="eager": the rewritten GraphModule's forward
+    return [n for n in graph_module.graph.nodes if n.target is SPARSE_OP]
+
+
+def test_cpu_auto_keeps_dense_and_reports_why_per_layer():
+    model = finalized_mlp()
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        out = torch.compile(model, backend="nmsparse")(x)
+        torch.testing.assert_close(out, model(x))
+    report = nmcompile.deploy_report(model)
+    assert report["0.weight"].kernel == "dense" and "no 2:4 kernel on cpu" in report["0.weight"].reason
+    assert report["4.weight"].kernel == "dense" and "[10, 32] is not a multiple of 16" in report["4.weight"].reason
+    assert nmcompile.deploy_report(finalized_mlp()) == {n: "not compiled yet" for n in ("0.weight", "2.weight", "4.weight")}
+
+
+def test_reference_kernel_rewrites_each_qualifying_linear_and_keeps_the_function():
+    model = finalized_mlp()
+    compiled, runners = compile_spy(model, inner="eager", deploy_kernel="reference")
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    calls = sparse_calls(runners[0])
+    assert len(calls) == 2  # 0 and 2; 4 is [10, 32]
+    assert all(call.args[5] == "reference" for call in calls)
+    report = nmcompile.deploy_report(model)
+    assert [report[n].kernel for n in ("0.weight", "2.weight", "4.weight")] == ["reference", "reference", "dense"]
+
+
+def test_inductor_compiles_the_rewritten_graph():
+    model = finalized_mlp()
+    compiled = torch.compile(model, backend="nmsparse", options={"deploy_kernel": "reference"})
+    x = torch.randn(5, 3, 64)  # tokens over two leading dims
+    with torch.no_grad():
+        compiled(x)  # compiles
+        with torch.profiler.profile() as prof:
+            out = compiled(x)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-4)
+    calls = [e for e in prof.events() if e.name == "nmsparse::sparse_linear"]
+    outer = [e for e in calls if e.cpu_parent is None or e.cpu_parent.name != e.name]  # not its dispatch layers
+    assert len(outer) == 2, [e.cpu_parent.name if e.cpu_parent else None for e in calls]
+
+
+def test_a_changed_weight_is_compressed_again_and_a_broken_one_is_refused():
+    model = finalized_mlp()
+    compiled, _ = compile_spy(model, inner="eager", deploy_kernel="reference")
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        compiled(x)
+        model[0].weight.mul_(2.0)  # still 2:4
+        torch.testing.assert_close(compiled(x), model(x))
+        model[0].weight.fill_(1.0)  # no longer 2:4
+        with pytest.raises(ValueError, match="more than 2 non-zeros"):
+            compiled(x)
+
+
+def test_eval_mode_with_gradients_still_differentiates():
+    model = finalized_mlp()
+    compiled = torch.compile(model, backend="nmsparse", options={"deploy_kernel": "reference", "inner": "aot_eager"})
+    x = torch.randn(4, 64, requires_grad=True)
+    compiled(x).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    dx = x.grad.clone()
+    model.zero_grad()
+    x.grad = None
+    model(x).sum().backward()
+    torch.testing.assert_close(x.grad, dx)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n])
+
+
+@pytest.mark.parametrize(
+    "weight,kw,kernel,reason",
+    [
+        (torch.ones(32, 32), {}, "dense", "not 2:4"),
+        ("24", {"device_type": "cpu"}, "dense", "no 2:4 kernel on cpu"),
+        ("24", {"device_type": "cuda", "cusparselt_available": False}, "dense", "no cuSPARSELt"),
+        ("24", {"device_type": "cuda", "cusparselt_available": True}, "dense", "cast the model to fp16 or bf16"),
+        ("24h", {"device_type": "cuda", "cusparselt_available": True}, "cusparselt", "qualifies"),
+        ("24h-odd", {"device_type": "cuda", "cusparselt_available": True}, "dense", "not a multiple of 16"),
+    ],
+)
+def test_qualify_rules(weight, kw, kernel, reason):
+    if isinstance(weight, str):
+        shape = (48, 40) if weight.endswith("odd") else (32, 64)
+        w = nmcompile.masks.prune(torch.randn(shape), 2, 4, 1)
+        weight = w.half() if "h" in weight else w
+    decision = qualify(weight, "auto", **kw)
+    assert decision.kernel == kernel and reason in decision.reason
+
+
+def test_forcing_cusparselt_where_it_cannot_run_is_an_error():
+    model = finalized_mlp()
+    with pytest.raises(Exception, match="deploy_kernel='cusparselt' cannot be used: no 2:4 kernel on cpu"):
+        torch.compile(model, backend="nmsparse", options={"deploy_kernel": "cusparselt"})(torch.randn(2, 64))
+    with pytest.raises(Exception, match="deploy_kernel='fast' is not one of"):
+        torch.compile(model, backend="nmsparse", options={"deploy_kernel": "fast"})(torch.randn(2, 64))
+
+
+def test_cache_key_covers_version_code_and_plan():
+    a, b = CacheKeyPass("plan a"), CacheKeyPass("plan b")
+    assert a.uuid() != b.uuid() and a.uuid() == CacheKeyPass("plan a").uuid()
+    patches = with_cache_key({}, "p")
+    assert isinstance(patches["post_grad_custom_post_pass"], CacheKeyPass)
+    theirs = CacheKeyPass("user")
+    merged = with_cache_key({"post_grad_custom_post_pass": theirs}, "p")["post_grad_custom_post_pass"]
+    assert merged[0] is theirs and isinstance(merged[1], CacheKeyPass)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cusparselt_rewrite_on_cuda(dtype):
+    if not torch.backends.cusparselt.is_available():
+        pytest.skip("this torch build has no cuSPARSELt")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    nmcompile.annotate(model, "ste:2:4")
+    nmcompile.finalize(model)
+    model = model.to("cuda", dtype).eval()
+    x = torch.randn(4096, 1024, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        out = torch.compile(model, backend="nmsparse", options={"deploy_kernel": "cusparselt"})(x)
+        torch.testing.assert_close(out, model(x), atol=2e-2, rtol=2e-2)
+    report = nmcompile.deploy_report(model)
+    assert all(d.kernel in ("cusparselt", "dense") for d in report.values()), report
