@@ -47,6 +47,7 @@ RECIPES = ("ste", "sr_ste", "s_ste")
 SWAPPABLE = set(RECIPES)
 WIDTH, BATCH, LAYERS = 1024, 256, 4
 DIAGNOSTICS_EVERY = 0
+ADAM = {}  # extra torch.optim.Adam arguments for every variant (--fused-adam)
 
 
 def mlp() -> nn.Sequential:
@@ -126,7 +127,7 @@ def build(variant: str):
         recipe = variant[5:]
         model = nn.Sequential(*[SwapLinear(m, recipe) if isinstance(m, nn.Linear) else m for m in model])
         run = model
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **ADAM)
     if variant.startswith("nm/"):
         nmcompile.hook_optimizer(model, opt, diagnostics_every=DIAGNOSTICS_EVERY)
     return model, run, opt
@@ -170,6 +171,7 @@ def main() -> None:
     parser.add_argument("--diagnostics-every", type=int, default=0, help="record mask diagnostics (0: off)")
     parser.add_argument("--no-swap", action="store_true", help="skip the eager module-swap variants")
     parser.add_argument("--compile-time", action="store_true")
+    parser.add_argument("--fused-adam", action="store_true", help="torch.optim.Adam(fused=True) for every variant")
     parser.add_argument("--first-step", help=argparse.SUPPRESS)
     parser.add_argument("--primed", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -178,6 +180,8 @@ def main() -> None:
         return
     global DIAGNOSTICS_EVERY
     DIAGNOSTICS_EVERY = args.diagnostics_every
+    if args.fused_adam:
+        ADAM["fused"] = True
 
     variants = ["dense"] + [f"nm/{r}" for r in args.recipes]
     if not args.no_swap:
@@ -195,7 +199,7 @@ def main() -> None:
             times[v].append(time.perf_counter() - start)
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} interleaved steps")
-    print(f"diagnostics every {args.diagnostics_every} steps")
+    print(f"diagnostics every {args.diagnostics_every} steps, Adam {'fused' if args.fused_adam else 'default (foreach)'}")
     print(f"{'variant':<18}{'median ms':>10}{'vs dense':>10}")
     for v in variants:
         print(f"{v:<18}{med[v]:>10.2f}{med[v] / med['dense']:>10.3f}")
