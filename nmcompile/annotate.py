@@ -22,6 +22,8 @@ from .recipes.base import Recipe
 __all__ = ["annotate", "AnnotationReport", "WeightAnnotation", "attach", "annotation_of", "state_of"]
 
 ATTR = "_nmcompile"
+#: attribute of a weight that nmcompile.finalize baked (its Deployed record)
+DEPLOY_ATTR = "_nmcompile_deployed"
 SUPPORTED_LAYERS = "nn.Linear, nn.Conv1d, nn.Conv2d, transformers Conv1D, nn.MultiheadAttention"
 
 
@@ -70,6 +72,8 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
     for key, name in zip(recipe.state_names, ann.buffer_names(param_name)):
         module.register_buffer(name, state[key])
     setattr(param, ATTR, ann)
+    if hasattr(param, DEPLOY_ATTR):  # a finalized weight that trains again
+        delattr(param, DEPLOY_ATTR)
     return ann
 
 

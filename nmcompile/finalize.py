@@ -17,14 +17,12 @@ import torch
 from torch import nn
 
 from . import masks
-from .annotate import ATTR, _owners, annotation_of
+from .annotate import ATTR, DEPLOY_ATTR, _owners, annotation_of
 from .inspection import _effective
 from .pattern import NMPattern
 
 __all__ = ["finalize", "FinalizeReport", "Deployed", "DEPLOY_ATTR", "deployed_of", "deploy_report"]
 
-#: attribute of a finalized parameter holding its :class:`Deployed` record
-DEPLOY_ATTR = "_nmcompile_deployed"
 
 
 @dataclass(frozen=True)

@@ -164,3 +164,18 @@ def test_cusparselt_rewrite_on_cuda(dtype):
         torch.testing.assert_close(out, model(x), atol=2e-2, rtol=2e-2)
     report = nmcompile.deploy_report(model)
     assert all(d.kernel in ("cusparselt", "dense") for d in report.values()), report
+
+
+def test_dynamic_token_counts_and_a_graph_that_also_trains():
+    model = finalized_mlp()
+    compiled = torch.compile(model, backend="nmsparse", dynamic=True, options={"deploy_kernel": "reference"})
+    with torch.no_grad():
+        for batch in (3, 7, 11):
+            x = torch.randn(batch, 64)
+            torch.testing.assert_close(compiled(x), model(x))
+    mixed = finalized_mlp().train()
+    nmcompile.annotate(mixed, "ste:2:4", include=["4.weight"])  # trains again; 0 and 2 stay finalized
+    assert set(nmcompile.deploy_report(mixed)) == {"0.weight", "2.weight"}
+    torch.compiler.reset()
+    with pytest.warns(UserWarning, match="0.weight, 2.weight are finalized but this graph also trains recipes"):
+        torch.compile(mixed, backend="nmsparse", options={"inner": "aot_eager"})(torch.randn(4, 64))

@@ -28,7 +28,7 @@ from .. import ops
 from ..annotate import ATTR, attach, state_of
 from ..finalize import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
-from ..passes._graph import source_name
+from ..passes._graph import parameter_fqn, parameter_placeholders, source_name
 from ..plan import Plan
 
 __all__ = ["nmsparse_backend"]
@@ -282,7 +282,15 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     base = _copy(gm)
     run_passes(work, TRAIN_PASSES, ctx)
     _report(ctx)
-    if not ctx.targets:
+    if ctx.targets:
+        finalized = [parameter_fqn(src) for _, param, src in parameter_placeholders(work) if deployed_of(param)]
+        if finalized:
+            warnings.warn(
+                f"nmsparse: {', '.join(finalized)} are finalized but this graph also trains recipes, so they run "
+                "dense; the deploy kernels apply to a graph whose weights are all finalized or dense",
+                stacklevel=2,
+            )
+    else:
         run_passes(work, DEPLOY_PASSES, ctx)
         if ctx.deployed:
             from .deploy import DeployRunner, record_decisions

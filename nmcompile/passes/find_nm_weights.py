@@ -18,11 +18,11 @@ from .context import NMTarget, PassContext
 
 
 def _resolve(ctx: PassContext, param, fqn: str, users):
-    if deployed_of(param) is not None:
-        return None, "finalize"  # deployed: the deploy passes take it
     ann = annotation_of(param)
     if ann is not None:
         return ann.recipe, "annotate"
+    if deployed_of(param) is not None:
+        return None, "finalize"  # deployed: the deploy passes take it
     region = _graph.region_recipe(users)
     if region is not None:
         return (None if region == "dense" else parse(region)), "region"
