@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import nmcompile
 import reference
-from test_models import AOT, CNN, MLP, STEPS, _fresh_counters, nm_violations, train  # noqa: F401
+from test_models import AOT, CNN, MLP, _fresh_counters, nm_violations, train  # noqa: F401
 from test_recipe_models import RECIPES as SCHEDULED
 
 RECIPES = {"ste": "ste:2:4", "sr_ste": "sr_ste:2:4", "s_ste": "s_ste:2:4", **SCHEDULED}

@@ -151,3 +151,22 @@ def gemm_operands(user: fx.Node, weight: fx.Node) -> dict | None:
         return {"kind": "conv", "x": args[0], "bias": bias, "stride": stride, "padding": padding,
                 "dilation": dilation, "groups": groups}
     return None
+
+
+def add_input(graph: fx.Graph, after: fx.Node, name: str) -> fx.Node:
+    """A placeholder made by the backend (no Dynamo source: the runner passes its value) after ``after``."""
+    with graph.inserting_after(after):
+        node = graph.placeholder(name)
+    node._dynamo_source = None
+    return node
+
+
+def replace_call(node: fx.Node, target, args: tuple) -> fx.Node:
+    """Replace ``node`` by ``target(*args)``, keeping its metadata and its users."""
+    graph = node.graph
+    with graph.inserting_before(node):
+        new = graph.call_function(target, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new

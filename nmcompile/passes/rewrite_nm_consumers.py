@@ -51,11 +51,7 @@ def rewrite_nm_consumers(gm: fx.GraphModule, ctx: PassContext) -> int:
                 op = torch.ops.nmsparse.conv.default
                 args = (ops["x"], w, wd, ops["bias"], ops["stride"], ops["padding"], ops["dilation"],
                         ops["groups"], mvue_n, mvue_m)
-            with graph.inserting_before(user):
-                new = graph.call_function(op, args)
-            new.meta.update(user.meta)
-            user.replace_all_uses_with(new)
-            graph.erase_node(user)
+            _graph.replace_call(user, op, args)
             count += 1
     graph.lint()
     gm.recompile()

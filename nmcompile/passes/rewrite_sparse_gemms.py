@@ -14,6 +14,7 @@ from torch import fx
 
 from ..backends.dispatch import measure
 from ..backends.inductor import compress
+from . import _graph
 from .context import PassContext
 
 
@@ -45,25 +46,18 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
             ctx.deployed[i] = type(target)(**{**target.__dict__, "decision": decision})
             if not decision.sparse:
                 continue
-        names = []
+        fake_mode = target.node.meta["example_value"].fake_mode
+        inputs = []
         for part, example in (("values", values), ("meta", meta)):
-            with graph.inserting_after(last):
-                last = graph.placeholder(f"nm_{part}_{i}")
-            last._dynamo_source = None  # a backend-made input: no Dynamo source, passed in by the runner
-            last.meta["example_value"] = example
-            names.append(last)
+            last = _graph.add_input(graph, last, f"nm_{part}_{i}")
+            last.meta["example_value"] = fake_mode.from_tensor(example)
+            inputs.append(last)
         ctx.compressed[target.fqn] = (values, meta)
         for use in target.uses:
-            x = use.args[0]
-            bias = use.args[2] if len(use.args) > 2 else use.kwargs.get("bias")
-            with graph.inserting_before(use):
-                new = graph.call_function(
-                    torch.ops.nmsparse.sparse_linear.default,
-                    (x, target.node, names[0], names[1], bias, decision.kernel, decision.alg_id, decision.min_tokens),
-                )
-            new.meta.update(use.meta)
-            use.replace_all_uses_with(new)
-            graph.erase_node(use)
+            operands = _graph.gemm_operands(use, target.node)
+            args = (operands["x"], target.node, *inputs, operands["bias"], decision.kernel, decision.alg_id,
+                    decision.min_tokens)
+            _graph.replace_call(use, torch.ops.nmsparse.sparse_linear.default, args)
             rewritten += 1
     graph.lint()
     gm.recompile()
