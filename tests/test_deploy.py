@@ -179,3 +179,21 @@ def test_dynamic_token_counts_and_a_graph_that_also_trains():
     torch.compiler.reset()
     with pytest.warns(UserWarning, match="0.weight, 2.weight are finalized but this graph also trains recipes"):
         torch.compile(mixed, backend="nmsparse", options={"inner": "aot_eager"})(torch.randn(4, 64))
+
+
+@pytest.mark.slow
+def test_gpt2_conv1d_addmm_weights_are_rewritten_through_their_transpose():
+    transformers = pytest.importorskip("transformers")
+    from test_models import _gpt2
+
+    model = _gpt2(transformers)
+    nmcompile.annotate(model, "ste:2:4")
+    nmcompile.finalize(model)
+    model.eval()
+    compiled, runners = compile_spy(model, inner="eager", deploy_kernel="reference")
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-4)
+    report = nmcompile.deploy_report(model)
+    assert len(report) == 8 and all(d.kernel == "reference" for d in report.values()), report
+    assert len(sparse_calls(runners[0])) == 8  # c_attn, c_proj, c_fc, c_proj in both blocks

@@ -37,21 +37,21 @@ class DeployRunner:
         placeholders = [node.name for node in gm.graph.find_nodes(op="placeholder")]
         self.compiled, self.n_inputs = compiled, n_inputs
         sparse = [t for t in ctx.deployed if t.decision.sparse]
-        # per sparse weight: (its position among the inputs, kernel, decision)
-        self.layers = [(placeholders.index(t.node.name), t.decision.kernel, t.decision) for t in sparse]
+        # per sparse weight: (its position among the inputs, kernel, decision, stored [in, out])
+        self.layers = [(placeholders.index(t.node.name), t.decision.kernel, t.decision, t.transposed) for t in sparse]
         # id(weight) -> (weakref, version, values, meta)
         self.cache: dict[int, tuple] = {}
         for t in sparse:  # compressed once by the rewrite pass
             values, meta = ctx.compressed[t.fqn]
             self.cache[id(t.param)] = (weakref.ref(t.param), t.param._version, values, meta)
 
-    def _packed(self, weight: torch.Tensor, kernel: str, decision) -> tuple[torch.Tensor, torch.Tensor]:
+    def _packed(self, weight: torch.Tensor, kernel: str, decision, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         hit = self.cache.get(id(weight))
         if hit is not None and hit[0]() is weight and hit[1] == weight._version:
             return hit[2], hit[3]
         if hit is not None and hit[0]() is weight:
             log.warning("nmsparse deploy: a finalized weight %s changed; compressing it again", tuple(weight.shape))
-        values, meta = compress(weight, kernel)  # raises if the weight is no longer 2:4
+        values, meta = compress(weight.t() if transposed else weight, kernel)  # raises if no longer 2:4
         self.cache[id(weight)] = (weakref.ref(weight), weight._version, values, meta)
         if getattr(weight, DECISION_ATTR, None) is None:
             setattr(weight, DECISION_ATTR, decision)
@@ -59,6 +59,6 @@ class DeployRunner:
 
     def __call__(self, *args):
         inputs = list(args)
-        for index, kernel, decision in self.layers:
-            inputs.extend(self._packed(args[index], kernel, decision))
+        for index, kernel, decision, transposed in self.layers:
+            inputs.extend(self._packed(args[index], kernel, decision, transposed))
         return self.compiled(*inputs)

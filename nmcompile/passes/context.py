@@ -30,6 +30,7 @@ class DeployTarget:
     bias: object  # the bias nn.Parameter of its first linear call, or None (timing only)
     uses: list[fx.Node]  # the F.linear nodes it is the weight of
     decision: object  # nmcompile.backends.dispatch.Decision
+    transposed: bool = False  # the weight is [in, out]: the kernels take its transpose
 
 
 @dataclass

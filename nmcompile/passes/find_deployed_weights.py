@@ -1,8 +1,8 @@
 """Find the finalized (deployed N:M) weights and decide, per layer, which kernel each gets.
 
-A weight qualifies for a 2:4 kernel when every use is ``F.linear(x, W[out, in], b)``; other uses
-(a conv, GPT-2's Conv1D ``addmm`` with ``[in, out]`` weights, a matmul) keep the dense GEMM, with
-the reason recorded. The rules are :func:`nmcompile.backends.dispatch.qualify`; on CUDA the
+A weight qualifies for a 2:4 kernel when every use is a linear GEMM: ``F.linear(x, W[out, in], b)``,
+or GPT-2's Conv1D ``addmm(b, x, W[in, out])`` / ``x @ W[in, out]`` (rewritten on ``W.t()``); convs
+and other uses keep the dense GEMM, with the reason recorded. The rules are :func:`nmcompile.backends.dispatch.qualify`; on CUDA the
 candidates are then timed (:func:`~nmcompile.backends.dispatch.measure`) by the rewrite pass.
 No rewriting here.
 """
@@ -17,8 +17,8 @@ from . import _graph
 from .context import DeployTarget, PassContext
 
 
-def _bias_of(use: fx.Node):
-    operands = _graph.gemm_operands(use, use.args[1])
+def _bias_of(use: fx.Node, weight: fx.Node):
+    operands = _graph.gemm_operands(use, weight)
     bias = operands and operands["bias"]
     if isinstance(bias, fx.Node):
         grapharg = bias.meta.get("grapharg")
@@ -33,14 +33,22 @@ def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         if record is None:
             continue
         uses = list(node.users)
-        linear = [u for u in uses if u.op == "call_function" and u.target in _graph._LINEAR and u.args[1] is node]
-        if len(linear) != len(uses) or not uses:
+        forms = [_graph.gemm_operands(u, node) for u in uses]
+        linear = [u for u, f in zip(uses, forms) if f is not None and f["kind"] == "linear"]
+        transposed = {f["transposed"] for f in forms if f is not None and f["kind"] == "linear"}
+        if len(linear) != len(uses) or not uses or len(transposed) != 1:
             kinds = sorted({_graph.weight_use(u, node)[0] for u in uses if u not in linear}) or ["nothing"]
-            decision = Decision("dense", f"used by {', '.join(kinds)}; the 2:4 kernels take linear weights [out, in]")
-        elif record.dim != 1:
-            decision = Decision("dense", f"N:M along dim {record.dim}; the 2:4 kernels group along 'in' (dim 1)")
+            decision = Decision("dense", f"used by {', '.join(kinds)}; the 2:4 kernels take linear/addmm weights")
+            transposed = False
         else:
-            decision = qualify(param.detach(), ctx.deploy_kernel)
-        bias = _bias_of(linear[0]) if linear else None  # for timing; each call keeps its own bias
-        ctx.deployed.append(DeployTarget(node, _graph.parameter_fqn(source), param, bias, linear, decision))
+            (transposed,) = transposed
+            reduced = 0 if transposed else 1  # [in, out] weights (GPT-2 Conv1D, x @ W) reduce dim 0
+            if record.dim != reduced:
+                decision = Decision("dense", f"N:M along dim {record.dim} but its GEMM reduces dim {reduced}")
+            else:
+                weight = param.detach()
+                decision = qualify(weight.t() if transposed else weight, ctx.deploy_kernel)
+        bias = _bias_of(linear[0], node) if linear else None  # for timing; each call keeps its own bias
+        fqn = _graph.parameter_fqn(source)
+        ctx.deployed.append(DeployTarget(node, fqn, param, bias, linear, decision, transposed))
     return len(ctx.deployed)

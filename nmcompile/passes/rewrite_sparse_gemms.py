@@ -1,6 +1,7 @@
 """Rewrite each finalized 2:4 linear to ``nmsparse::sparse_linear`` with its weight compressed once.
 
-For every deployed weight whose decision is a sparse kernel, adds two placeholders (the
+For every deployed weight whose decision is a sparse kernel (``[in, out]`` weights as ``W.t()``),
+adds two placeholders (the
 compressed values and metadata; the backend passes them on every call, compressed when the graph
 is compiled and again only if the weight changes) and replaces each ``F.linear(x, W, b)`` with
 ``nmsparse::sparse_linear(x, W, values, meta, b, kernel, alg_id, min_tokens)``. On CUDA the
@@ -38,11 +39,13 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
         decision = target.decision
         if not decision.sparse:
             continue
-        values, meta = compress(target.param, decision.kernel)
+        weight = target.param.detach().t() if target.transposed else target.param.detach()  # [out, in]
+        values, meta = compress(weight, decision.kernel)
+        operands = [_graph.gemm_operands(use, target.node) for use in target.uses]
         if decision.kernel == "cusparselt":
-            tokens = {_tokens(use.args[0]) for use in target.uses}
-            decision = measure(decision, target.param, target.bias, values, tokens.pop() if len(tokens) == 1 else None,
-                               target.param.shape[1])
+            tokens = {_tokens(o["x"]) for o in operands}
+            decision = measure(decision, weight, target.bias, values, tokens.pop() if len(tokens) == 1 else None,
+                               weight.shape[1])
             ctx.deployed[i] = type(target)(**{**target.__dict__, "decision": decision})
             if not decision.sparse:
                 continue
@@ -53,10 +56,13 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
             last.meta["example_value"] = fake_mode.from_tensor(example)
             inputs.append(last)
         ctx.compressed[target.fqn] = (values, meta)
-        for use in target.uses:
-            operands = _graph.gemm_operands(use, target.node)
-            args = (operands["x"], target.node, *inputs, operands["bias"], decision.kernel, decision.alg_id,
-                    decision.min_tokens)
+        w_node = target.node
+        if target.transposed:
+            with graph.inserting_after(last):
+                w_node = graph.call_function(torch.t, (target.node,))
+            w_node.meta["example_value"] = target.node.meta["example_value"].t()
+        for use, o in zip(target.uses, operands):
+            args = (o["x"], w_node, *inputs, o["bias"], decision.kernel, decision.alg_id, decision.min_tokens)
             _graph.replace_call(use, torch.ops.nmsparse.sparse_linear.default, args)
             rewritten += 1
     graph.lint()
