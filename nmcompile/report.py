@@ -1,0 +1,89 @@
+"""Plots of a recorded run (``run.json`` from ``nmcompile demo`` or :func:`nmcompile.run.train_run`).
+
+:func:`write_report` writes into the run's folder:
+
+- ``loss.png``: training loss and the evaluation metric over optimizer steps, with STEP's switch
+  step marked where there is one;
+- ``masks.png``: per-layer mask flip rate and SAD (and STEP's Z_t), from the run's diagnostics;
+- ``sparsity.png``: the fraction of zeros in each layer's forward weight at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .diagnostics import plot_diagnostics
+
+__all__ = ["write_report", "load_run"]
+
+
+def load_run(run_dir) -> dict:
+    path = os.path.join(os.fspath(run_dir), "run.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} does not exist; RUN_DIR must be a folder written by 'nmcompile demo --out RUN_DIR'"
+        )
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def _figure(rows: int, height: float = 2.8):
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError("nmcompile report needs matplotlib: pip install 'nmcompile[plot]'") from err
+    fig = Figure(figsize=(7, height * rows), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(rows, 1, squeeze=False)[:, 0]
+
+
+def _switch_steps(run: dict) -> list[int]:
+    steps = {int(entry["switch_step"]) for entry in run.get("diagnostics", {}).values() if "switch_step" in entry}
+    return sorted(s for s in steps if s >= 0)
+
+
+def write_report(run_dir) -> list[str]:
+    """Write the run's plots as PNG files in ``run_dir``; returns their paths."""
+    run = load_run(run_dir)
+    run_dir = os.fspath(run_dir)
+    paths = []
+    fig, (loss_ax, eval_ax) = _figure(2)
+    if run["loss"]:
+        steps, values = zip(*run["loss"])
+        loss_ax.plot(steps, values, linewidth=1)
+    loss_ax.set_title(f"training loss ({run['recipe']})", fontsize=9)
+    if run["eval"]:
+        steps, values = zip(*run["eval"])
+        eval_ax.plot(steps, values, marker="o", markersize=3, linewidth=1)
+    eval_ax.set_title(run.get("eval_name", "evaluation"), fontsize=9)
+    for ax in (loss_ax, eval_ax):
+        for switch in _switch_steps(run):
+            ax.axvline(switch, color="k", linestyle="--", linewidth=0.8, label="STEP switch")
+        ax.set_xlabel("optimizer step", fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(run_dir, "loss.png"))
+    fig.savefig(paths[-1], format="png")
+
+    diag = {
+        name: {key: torch.tensor(value) for key, value in entry.items()}
+        for name, entry in run.get("diagnostics", {}).items()
+    }
+    if diag:
+        paths.append(plot_diagnostics(diag, os.path.join(run_dir, "masks.png")))
+    sparsity = run.get("sparsity", {})
+    if sparsity:
+        fig, (ax,) = _figure(1, height=0.35 * len(sparsity) + 1.2)
+        names = list(sparsity)
+        ax.barh(range(len(names)), [sparsity[n] for n in names])
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("fraction of zeros in the forward weight", fontsize=8)
+        ax.set_title("per-layer sparsity at the end of training", fontsize=9)
+        fig.tight_layout()
+        paths.append(os.path.join(run_dir, "sparsity.png"))
+        fig.savefig(paths[-1], format="png")
+    return paths

