@@ -76,9 +76,10 @@ def train_run(
         record["recipe"] = spec
         report = annotate(model, spec, exclude=exclude)
         record["annotated"] = sorted(report.annotated)
-        compiled = torch.compile(model, backend="nmsparse", options={"inner": inner})
+        # static shapes: training and evaluation batches differ, and framed schedules need static graphs
+        compiled = torch.compile(model, backend="nmsparse", options={"inner": inner}, dynamic=False)
     else:
-        compiled = torch.compile(model, backend="inductor" if inner == "inductor" else "aot_eager")
+        compiled = torch.compile(model, backend="inductor" if inner == "inductor" else "aot_eager", dynamic=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     if recipe is not None:
         hook_optimizer(model, optimizer, diagnostics_every=diagnostics_every)

@@ -354,3 +354,23 @@ def test_deepcopy_drops_the_record_loudly_and_reannotation_restores_it():
     nmcompile.annotate(twin, "s_ste")
     torch.testing.assert_close(twin.fc1.weight_nm_beta, model.fc1.weight_nm_beta)  # same weights, same beta
     torch.testing.assert_close(torch.compile(twin, backend="nmsparse", options=AOT)(x), eager_with(model, x))
+
+
+def test_bi_mask_under_inductor_trains_and_evaluates_at_another_batch_size():
+    """Backend-made inputs (Bi-Mask's permutation) are static: a reshape of rows indexed by it once
+    made Dynamo's guard building fail under Inductor."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 16))
+    nmcompile.annotate(model, "bi_mask:2:4")
+    compiled = torch.compile(model, backend="nmsparse", dynamic=False)
+    opt = torch.optim.Adam(model.parameters())
+    nmcompile.hook_optimizer(model, opt)
+    for _ in range(2):
+        loss = compiled(torch.randn(8, 64)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        x = torch.randn(20, 64)
+        expected = torch.func.functional_call(model, {**dict(model.named_parameters()), **nmcompile.effective_weights(model)}, (x,))
+        torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)

@@ -237,6 +237,19 @@ class _CompiledNM:
         return compiled(*inputs)
 
 
+def _static(tensors: list) -> list:
+    """Backend-made inputs as fake tensors of Dynamo's fake mode with static shapes.
+
+    Otherwise AOTAutograd fakifies them with fresh size symbols that no Dynamo source backs, and a
+    shape guard on one of them (e.g. a reshape of a tensor indexed by Bi-Mask's permutation) fails
+    when Dynamo builds its guards.
+    """
+    context = torch._guards.TracingContext.try_get()
+    if context is None or context.fake_mode is None:
+        return tensors
+    return [context.fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
+
+
 def _is_symbolic(value) -> bool:
     return isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)
 
@@ -296,7 +309,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             from .deploy import DeployRunner, record_decisions
 
             record_decisions(ctx)
-            example = [*example_inputs, *(t for pair in ctx.compressed.values() for t in pair)]
+            example = [*example_inputs, *_static([t for pair in ctx.compressed.values() for t in pair])]
             key = repr([(t.fqn, t.decision) for t in ctx.deployed])
             return DeployRunner(work, ctx, _compile_inner(work, example, inner, patches, key), len(example_inputs))
         return _compile_inner(work, list(example_inputs), inner, patches)
@@ -314,6 +327,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     for t in ctx.targets:
         values = t.recipe.example_state(t.node.meta["grapharg"].example.detach(), t.dim)
         state.extend(values[key] for key in t.recipe.state_names)
+    state = _static(state)
     key = (tuple((t.recipe, t.dim) for t in ctx.targets), tuple(t.frame for t in ctx.targets))
     runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches, repr(key))
     _add_owner_inputs(gm, owners)

