@@ -197,3 +197,13 @@ def test_gpt2_conv1d_addmm_weights_are_rewritten_through_their_transpose():
     report = nmcompile.deploy_report(model)
     assert len(report) == 8 and all(d.kernel == "reference" for d in report.values()), report
     assert len(sparse_calls(runners[0])) == 8  # c_attn, c_proj, c_fc, c_proj in both blocks
+
+
+def test_break_even_token_count():
+    from nmcompile.backends.dispatch import break_even
+
+    ladder = (1, 16, 64, 256)
+    assert break_even(ladder, [True, True, True, True]) == 0
+    assert break_even(ladder, [False, False, True, True]) == 64
+    assert break_even(ladder, [True, False, True, True]) == 64  # faster at 1 token alone does not count
+    assert break_even(ladder, [False, False, False, True]) == 256

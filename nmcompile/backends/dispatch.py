@@ -117,10 +117,14 @@ def measure(decision: Decision, weight, bias, values, tokens: int | None, in_fea
             sparse = _time(lambda: sparse_linear(x, w, values, values.new_empty(0, dtype=torch.int16), b, "cusparselt", alg_id, 0))
             faster.append(dense > MARGIN * sparse)
             speedup = dense / sparse
-    if not any(faster):
-        return Decision("dense", f"cuSPARSELt measured slower than dense ({speedup:.2f}x) at {ladder[-1]} tokens", speedup=speedup)
+    if not faster[-1]:  # slower (or within the margin) at the largest token count: never worth it
+        return Decision("dense", f"cuSPARSELt measured {speedup:.2f}x of dense at {ladder[-1]} tokens", speedup=speedup)
+    return Decision("cusparselt", decision.reason, alg_id=alg_id, min_tokens=break_even(ladder, faster), speedup=speedup)
+
+
+def break_even(ladder, faster) -> int:
+    """The smallest token count from which the sparse kernel was faster at every larger count (0: always)."""
     first = len(faster)
     while first > 0 and faster[first - 1]:
         first -= 1
-    min_tokens = ladder[first] if first > 0 else 0
-    return Decision("cusparselt", decision.reason, alg_id=alg_id, min_tokens=min_tokens, speedup=speedup)
+    return ladder[first] if first > 0 else 0
