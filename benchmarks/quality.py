@@ -228,11 +228,16 @@ def plot_curves(rows: list[dict], out_dir: str) -> list[str]:
             ax = fig.subplots()
             names = sorted({r["name"] for r in rows if r["task"] == task and (r["name"] == "dense" or pattern in r["name"]
                             or (pattern == "2:4" and r["name"] == "transposable 4:8"))})
-            for name in names:
+            from matplotlib import colormaps
+
+            palette = colormaps["tab20"]
+            for i, name in enumerate(names):
                 runs = [r for r in rows if r["task"] == task and r["name"] == name]
                 steps = [s for s, _ in runs[0]["eval"]]
                 curve = [sum(r["eval"][i][1] for r in runs if len(r["eval"]) > i) / len(runs) for i in range(len(steps))]
-                ax.plot(steps, curve, label=name, linewidth=1.2 if name != "dense" else 2.0)
+                style = {"color": "k", "linewidth": 2.0} if name == "dense" else {"color": palette(i), "linewidth": 1.2,
+                                                                                   "linestyle": "-" if i % 2 else "--"}
+                ax.plot(steps, curve, label=name, **style)
             ax.set_title(f"{task}: {'validation loss' if task == 'gpt' else 'test accuracy'} ({pattern}; mean over seeds)", fontsize=9)
             ax.set_xlabel("optimizer step (asp: fine-tuning steps)", fontsize=8)
             if names:
