@@ -125,6 +125,7 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
     if opset is not None:
         export_kwargs["opset_version"] = opset
     path = os.fspath(path)
+    export_kwargs.setdefault("verbose", False)  # the exporter's step-by-step progress lines
     torch.onnx.export(model, args, path, dynamo=True, **export_kwargs)
     proto = onnx.load(path)
     params = dict(model.named_parameters())
