@@ -77,3 +77,24 @@ def test_transposable_masks_hold_both_tile_constraints(case, method):
     mask = masks.transposable_mask(w, n, m, method)
     assert masks.is_transposable(mask, n, m)
     assert torch.equal(mask, masks.transposable_mask(w.clone(), n, m, method))  # deterministic
+
+
+@pytest.mark.parametrize("n,m,dim,width", [(2, 4, 1, 64), (2, 4, 1, 8), (2, 4, 0, 64), (1, 8, 1, 64), (3, 16, 1, 32)])
+def test_nan_and_inf_weights_never_break_the_n_m_count(n, m, dim, width):
+    """NaN counts as the largest magnitude (kept; it reaches the output as in dense training), inf likewise."""
+    w = torch.randn(32, width) if dim == 1 else torch.randn(width, 32)
+    w.view(-1)[::7] = float("nan")
+    w.view(-1)[3::11] = float("inf")
+    w.view(-1)[5::13] = -float("inf")
+    keep = masks.keep_mask(w, n, m, dim)
+    assert (keep.movedim(dim, -1).unflatten(-1, (-1, m)).sum(-1) == n).all()
+    lone = torch.randn(4, 16)
+    lone[1, 5] = float("nan")  # the only non-finite value of its group: kept, like the largest magnitude
+    assert masks.keep_mask(lone, n=2, m=4, dim=1)[1, 5]
+    pruned = masks.prune(w, n, m, dim)
+    assert masks.count_violations(pruned, n, m, dim)[0] == 0
+    assert masks.count_violations(torch.compile(masks.prune)(w, n, m, dim), n, m, dim)[0] == 0
+    # S-STE's shrink of a group holding NaN/inf is NaN/inf arithmetic (documented); every finite group stays valid
+    groups = masks.soft_threshold(w, n, m, dim).movedim(dim, -1).unflatten(-1, (-1, m))
+    finite = torch.isfinite(w.movedim(dim, -1).unflatten(-1, (-1, m))).all(-1)
+    assert ((groups != 0).sum(-1)[finite] <= n).all()

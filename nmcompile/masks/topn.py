@@ -26,13 +26,19 @@ import torch
 __all__ = ["keep_mask", "prune", "soft_threshold", "soft_threshold_scale", "count_violations"]
 
 
+def _magnitude(w: torch.Tensor) -> torch.Tensor:
+    """``|w|`` with NaN counted as the largest magnitude, so a NaN weight never breaks the N:M count:
+    it is kept (and reaches the output, as it would in dense training) and exactly N stay per group."""
+    return torch.where(w != w, float("inf"), w.abs())  # w != w: NaN (this form stays vectorised)
+
+
 def _grouped(w: torch.Tensor, m: int) -> torch.Tensor:
     return w.unflatten(-1, (-1, m))
 
 
 def _rank_keep(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
     """Keep mask over the last dim: rank (0 = largest |w|, ties to the lower index) below n."""
-    a = _grouped(w.abs(), m)
+    a = _grouped(_magnitude(w), m)
     idx = torch.arange(m, device=w.device)
     earlier = idx.unsqueeze(0) < idx.unsqueeze(1)  # [i, j]: j < i
     ai, aj = a.unsqueeze(-1), a.unsqueeze(-2)
@@ -45,7 +51,7 @@ def _threshold(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
 
     It is the smallest magnitude that at most n others exceed, which holds with ties too.
     """
-    a = _grouped(w.abs(), m)
+    a = _grouped(_magnitude(w), m)
     above = (a.unsqueeze(-2) > a.unsqueeze(-1)).to(torch.int32).sum(-1)
     t = torch.where(above <= n, a, torch.full_like(a, float("inf"))).amin(-1, keepdim=True)
     return t.expand(a.shape).flatten(-2)
@@ -88,7 +94,7 @@ def _partners(a, odd, high):
 
 def _dropped_n_4(neighbour, odd, high, n: int) -> torch.Tensor:
     """Whether each element of the middle slice is dropped by n:4: at least 4 - n others beat it."""
-    a = {d: neighbour(d).abs() for d in range(-3, 4)}
+    a = {d: _magnitude(neighbour(d)) for d in range(-3, 4)}
     x = a[0]
     beats = {d: (a[d] >= x) if d < 0 else (a[d] > x) for d in (-3, -2, -1, 1, 2, 3)}
     c1, c2, c3 = _partners(beats, odd, high)
@@ -117,7 +123,7 @@ def _prune_n_4(w: torch.Tensor, n: int) -> torch.Tensor:
 
 def _soft_threshold_2_4(w: torch.Tensor, scale) -> torch.Tensor:
     def middle(neighbour, odd, high):
-        a = {d: neighbour(d).abs() for d in range(-3, 4)}
+        a = {d: _magnitude(neighbour(d)) for d in range(-3, 4)}
         x = a[0]
         p1, p2, p3 = _partners(a, odd, high)
         low1, high1 = torch.minimum(x, p1), torch.maximum(x, p1)
@@ -157,7 +163,7 @@ def _across(w: torch.Tensor, m: int, dim: int) -> torch.Tensor | None:
 
 def _dropped_across(v: torch.Tensor, n: int, m: int) -> list[torch.Tensor]:
     """Per member of ``v``'s group axis (-2): whether at least n others beat it (ties: lower index)."""
-    a = v.abs().unbind(-2)
+    a = _magnitude(v).unbind(-2)
     return [
         _at_least([(a[k] >= a[j]) if k < j else (a[k] > a[j]) for k in range(m) if k != j], n)
         for j in range(m)
