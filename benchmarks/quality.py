@@ -175,31 +175,40 @@ def claims(summary: dict) -> list[tuple[str, str, str]]:
             ("SDGF better than SR-STE at 1:8", "sdgf 1:8", "sr_ste 1:8"),
             ("Bi-Mask better than transposable at 2:4", "bi_mask 2:4", "transposable 2:4"),
         ]
+        def seeds(*entries):
+            runs = min(e["n"] for e in entries)
+            return "" if runs > 1 else " (1 seed, no spread yet)"
+
         for claim, a, b in pairs:
             ea, eb = get(task, a), get(task, b)
             if ea and eb:
                 verdict = "holds" if better(task, ea["metric"], eb["metric"]) else "does not hold"
-                out.append((claim, task, f"{verdict}: {a} {fmt(ea)} vs {b} {fmt(eb)}"))
+                out.append((claim, task, f"{verdict}{seeds(ea, eb)}: {a} {fmt(ea)} vs {b} {fmt(eb)}"))
         dense = get(task, "dense")
         two_four = {k[1]: v for k, v in summary.items() if k[0] == task and k[1].endswith(" 2:4")}
         if dense and two_four:
             gap = {name: abs(v["metric"][0] - dense["metric"][0]) for name, v in two_four.items()}
             best = min(gap, key=gap.get)
-            verdict = "holds" if best.startswith("s_ste 2:4") else f"does not hold (closest: {best})"
-            out.append(("S-STE closest to dense at 2:4", task, f"{verdict}: gap {gap.get('s_ste 2:4', float('nan')):.4f} "
+            # the S-STE paper's recipe is S-STE with MVUE weight gradients: either counts
+            verdict = "holds" if best.startswith("s_ste") else f"does not hold (closest: {best})"
+            out.append(("S-STE closest to dense at 2:4", task, f"{verdict}{seeds(dense, *two_four.values())}: gap {gap.get('s_ste 2:4', float('nan')):.4f} "
                         f"vs best {gap[best]:.4f}"))
         ea, eb = get(task, "s_ste+mvue24 2:4"), get(task, "s_ste 2:4")
         if ea and eb:
-            delta = abs(ea["metric"][0] - eb["metric"][0])
+            # one-sided: MVUE may not be worse than the dense weight gradient by more than the seed noise
+            worse = (ea["metric"][0] - eb["metric"][0]) * (1 if LOWER_IS_BETTER[task] else -1)
             noise = max(ea["metric"][1], eb["metric"][1])
-            verdict = "holds" if delta <= 2 * noise + 1e-9 else "does not hold"
+            if min(ea["n"], eb["n"]) < 2:
+                verdict = "holds" if worse <= 0 else "undecided (1 seed, no spread yet)"
+            else:
+                verdict = "holds" if worse <= 2 * noise else "does not hold"
             out.append(("MVUE 2:4 weight gradients cost almost nothing", task,
-                        f"{verdict}: with {fmt(ea)} vs without {fmt(eb)} (|diff| {delta:.4f}, 2 std {2 * noise:.4f})"))
+                        f"{verdict}: with {fmt(ea)} vs without {fmt(eb)} (worse by {worse:+.4f}, 2 std {2 * noise:.4f})"))
         ea, eb = get(task, "s_ste 2:4"), get(task, "ste 2:4")
         if ea and eb and ea["flip"] is not None and eb["flip"] is not None:
             verdict = "holds" if ea["flip"] < eb["flip"] else "does not hold"
             out.append(("S-STE's flip rate lower than STE's (2:4)", task,
-                        f"{verdict}: mean flip rate {ea['flip']:.2e} vs {eb['flip']:.2e}"))
+                        f"{verdict}{seeds(ea, eb)}: mean flip rate {ea['flip']:.2e} vs {eb['flip']:.2e}"))
     return out
 
 
