@@ -18,6 +18,7 @@ from .diagnostics import Trace
 from .pattern import reduction_dim
 from .plan import Plan
 from .recipes.base import Recipe
+from .sharding import broadcast_, fsdp_modules, unsharded
 
 __all__ = ["annotate", "AnnotationReport", "WeightAnnotation", "attach", "annotation_of", "state_of"]
 
@@ -151,6 +152,24 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
     if not isinstance(model, nn.Module):
         raise TypeError(f"annotate takes an nn.Module, got {type(model).__name__}")
     plan = Plan.build(recipe_or_rules, include=include, exclude=exclude)
+    if not fsdp_modules(model):
+        return _annotate(model, plan, strict)
+    # FSDP2: state is computed from the whole weights, and both parameter objects of each weight
+    # (the unsharded one the forward uses, the sharded one the optimizer updates) carry the annotation
+    with unsharded(model):
+        report = _annotate(model, plan, strict, sharded=True)
+        places = [(m, p) for _, places in _owners(model) for _, m, p in places[:1]]
+        anns = [(m, p, annotation_of(m._parameters[p])) for m, p in places]
+    for module, pname, ann in anns:
+        if ann is not None:
+            param = module._parameters[pname]
+            setattr(param, ATTR, ann)
+            for buffer in state_of(module, pname, ann):  # state drawn at random: rank 0's on every rank
+                broadcast_(buffer, param)
+    return report
+
+
+def _annotate(model: nn.Module, plan: Plan, strict: bool, sharded: bool = False) -> AnnotationReport:
     report = AnnotationReport()
     chosen = []
     for name, places in _owners(model):
@@ -169,6 +188,12 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
             continue
         chosen.append((name, module, pname, recipe, dim))
     for recipe in dict.fromkeys(r for *_, r, _ in chosen):  # model-level work first (ASP permutes)
+        if sharded and recipe.prepares_model:
+            raise ValueError(
+                f"{recipe} rewrites the model's weights before pruning (channel permutation), which FSDP2's "
+                f"sharded weights do not keep; call nmcompile.annotate(model, {str(recipe)!r}) before fully_shard "
+                f"to permute, then nmcompile.annotate(model, '{recipe},permute=False') after it"
+            )
         report.prepared[str(recipe)] = recipe.prepare(model, [n for n, *_, r, _ in chosen if r == recipe])
     for name, module, pname, recipe, dim in chosen:
         attach(module, pname, recipe, dim)

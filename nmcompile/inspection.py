@@ -12,6 +12,7 @@ from torch import nn
 from . import masks
 from .annotate import WeightAnnotation, _owners, annotation_of, state_of
 from .pattern import NMPattern
+from .sharding import full
 
 __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
 
@@ -24,7 +25,7 @@ def _effective(model: nn.Module) -> Iterator[tuple[str, WeightAnnotation, torch.
             param = module._parameters[pname]
             ann = annotation_of(param)
             if ann is not None:
-                yield name, ann, ann.recipe.project(param.detach(), *state_of(module, pname, ann), dim=ann.dim)
+                yield name, ann, ann.recipe.project(full(param.detach()), *state_of(module, pname, ann), dim=ann.dim)
 
 
 def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -110,7 +111,7 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
         for name, param in obj.named_parameters():
             record = deployed_of(param)
             if record is not None:
-                _check_one(report, name, param.detach(), pattern or record.pattern, record.dim)
+                _check_one(report, name, full(param.detach()), pattern or record.pattern, record.dim)
         return report
     if isinstance(obj, (str, os.PathLike)):
         if os.fspath(obj).endswith(".onnx"):

@@ -70,10 +70,17 @@ def parameter_fqn(source) -> str:
     return ".".join(parts)
 
 
+def _unwrapped(source):
+    """``source`` without wrappers that only mark it (FSDP2's ``FSDPNNModuleSource`` keeps its base's name)."""
+    while source is not None and getattr(source, "base", None) is not None and source_name(source) == source_name(source.base):
+        source = source.base
+    return source
+
+
 def owner_source(source):
     """``(source of the owning module, attribute name)`` of a parameter source, or None."""
     index = getattr(source, "index", None)
-    params = getattr(source, "base", None)
+    params = _unwrapped(getattr(source, "base", None))
     if not isinstance(index, str) or params is None or getattr(params, "member", None) != "_parameters":
         return None
     module = getattr(params, "base", None)

@@ -21,6 +21,7 @@ import torch
 
 from .. import masks
 from ..clock import new_step
+from ..sharding import broadcast_, full
 from .base import Recipe
 from .transposable import fits_both_axes
 
@@ -88,4 +89,5 @@ class BiMask(Recipe):
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
             if w.step % self.every == 0:
-                w.state["perm"].copy_(search_permutation(w.param, self.n, self.m, w.ann.dim, self.candidates))
+                perm = search_permutation(full(w.param), self.n, self.m, w.ann.dim, self.candidates)
+                w.state["perm"].copy_(broadcast_(perm, w.param))  # FSDP2: every rank takes rank 0's draw

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..clock import new_step
+from ..sharding import full, is_sharded, local, shard_of, sum_over_ranks
 from .base import Recipe
 
 
@@ -127,10 +128,10 @@ class STEP(Recipe):
             eps = group["eps"]
             if p.grad is None:
                 continue
-            g = p.grad.float()
+            g = local(p.grad).float()  # FSDP2: this rank's rows; the sums are added over ranks below
             if group["weight_decay"] and not _decoupled(optimizer, group):
-                g = g + group["weight_decay"] * p.float()
-            v = optimizer.state.get(p, {}).get("exp_avg_sq")
+                g = g + group["weight_decay"] * local(p).float()
+            v = local(optimizer.state.get(p, {}).get("exp_avg_sq"))
             # |dv| / (1 - b2) = |g^2 - v|: the constant factor is applied to the mean below
             change = g * g if v is None else torch.addcmul(v.float(), g, g, value=-1)
             if self.z_option == 1:
@@ -139,6 +140,12 @@ class STEP(Recipe):
                 floor = eps / (1 - group["betas"][1])
                 total = total + torch.where(change != 0, change.abs(), floor).log_().sum()
             count += change.numel()
+        params = [w.param for w in weights]
+        if any(is_sharded(p) for p in params):  # FSDP2: every rank summed its own rows
+            device = local(params[0]).device
+            sums = torch.stack([torch.as_tensor(total, dtype=torch.float64, device=device),
+                                torch.tensor(float(count), dtype=torch.float64, device=device)])
+            total, count = sum_over_ranks(sums, params).unbind()
         if count == 0:
             return
         scale = 1 - self.beta2
@@ -156,34 +163,36 @@ class STEP(Recipe):
                 w.scratch["switch"] = True
 
     def _frozen_update(self, w, group, optimizer) -> None:
-        p = w.param
-        if p.grad is None:
+        param = w.param
+        if param.grad is None:
             return
+        p = local(param)  # FSDP2: the update runs on this rank's rows, in place
         lr = float(group["lr"])
         beta1, _ = group["betas"]
-        g = -p.grad if group.get("maximize", False) else p.grad
+        g = -local(param.grad) if group.get("maximize", False) else local(param.grad)
         wd = group["weight_decay"]
         if wd and _decoupled(optimizer, group):
             p.mul_(1 - lr * wd)
         elif wd:
             g = g + wd * p
-        state = optimizer.state[p]
+        state = optimizer.state[param]
         if "exp_avg" not in state:  # e.g. resumed without optimizer state
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["step"] += 1
         t = float(state["step"])
         beta2 = group["betas"][1]
-        state["exp_avg"].lerp_(g, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        frozen = w.state["v"]
-        live = state["exp_avg_sq"].float()
+        exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        frozen = shard_of(w.state["v"], param)
+        live = exp_avg_sq.float()
         bias1 = 1 - beta1**t
         denom = torch.where(frozen > 0, frozen, live / (1 - beta2**t)).sqrt_().add_(group["eps"]).to(p.dtype)
-        p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
-        w.scratch["grad"] = p.grad
-        p.grad = None  # the optimizer's own step skips parameters without a gradient
+        p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+        w.scratch["grad"] = param.grad
+        param.grad = None  # the optimizer's own step skips parameters without a gradient
 
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
@@ -193,7 +202,7 @@ class STEP(Recipe):
                 group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
                 moment = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
                 bias2 = 1 - group["betas"][1] ** float(state["step"])
-                w.state["v"].copy_(moment.float() / bias2)
+                w.state["v"].copy_(full(moment).float() / bias2)  # FSDP2: gathered, whole on every rank
                 w.state["switch_step"].fill_(w.step)
                 w.state["phase"].fill_(True)
             grad = w.scratch.pop("grad", None)

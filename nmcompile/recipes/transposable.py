@@ -16,6 +16,7 @@ import torch
 
 from .. import masks
 from ..clock import new_step
+from ..sharding import full
 from ..masks.transposable import transposable_mask
 from ..pattern import NMPattern
 from .base import Recipe
@@ -64,4 +65,4 @@ class Transposable(Recipe):
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
             if w.step % self.every == 0:
-                w.state["mask"].copy_(transposable_mask(w.param.detach(), self.n, self.m))
+                w.state["mask"].copy_(transposable_mask(full(w.param.detach()), self.n, self.m))
