@@ -18,7 +18,7 @@ from .diagnostics import Trace
 from .pattern import reduction_dim
 from .plan import Plan
 from .recipes.base import Recipe
-from .sharding import broadcast_, fsdp_modules, unsharded
+from .sharding import fsdp_modules, unsharded
 
 __all__ = ["annotate", "AnnotationReport", "WeightAnnotation", "attach", "annotation_of", "state_of"]
 
@@ -162,10 +162,7 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
         anns = [(m, p, annotation_of(m._parameters[p])) for m, p in places]
     for module, pname, ann in anns:
         if ann is not None:
-            param = module._parameters[pname]
-            setattr(param, ATTR, ann)
-            for buffer in state_of(module, pname, ann):  # state drawn at random: rank 0's on every rank
-                broadcast_(buffer, param)
+            setattr(module._parameters[pname], ATTR, ann)
     return report
 
 

@@ -11,8 +11,10 @@ is kept whole on every rank (buffers are not sharded), so:
   :func:`full` weights, identical on every rank;
 - updates of the weight itself (STEP's frozen-moment step) run on :func:`local` shards, with the
   whole-state tensor cut to the rank's rows by :func:`shard_of`;
-- statistics over all weights (STEP's ``Z_t``) are summed over ranks by :func:`sum_over_ranks`;
-- state drawn at random is made rank 0's everywhere by :func:`broadcast_`.
+- statistics over all weights (STEP's ``Z_t``) are summed over ranks by :func:`sum_over_ranks`.
+
+State never depends on the rank: it is computed from whole weights and, where random (Bi-Mask's
+candidate row orders), from generators seeded by the optimizer step.
 
 Nothing here imports ``torch.distributed`` unless a sharded weight is present.
 """
@@ -24,7 +26,7 @@ import contextlib
 import torch
 from torch import nn
 
-__all__ = ["is_sharded", "full", "local", "shard_of", "sum_over_ranks", "broadcast_", "unsharded", "fsdp_modules"]
+__all__ = ["is_sharded", "full", "local", "shard_of", "sum_over_ranks", "unsharded", "fsdp_modules"]
 
 
 def is_sharded(tensor) -> bool:
@@ -73,20 +75,6 @@ def sum_over_ranks(values: torch.Tensor, params) -> torch.Tensor:
     out = values.clone()
     dist.all_reduce(out, group=sharded.device_mesh.get_group())
     return out
-
-
-def broadcast_(tensor: torch.Tensor, param) -> torch.Tensor:
-    """Make ``tensor`` (whole, on every rank) rank 0's value on the ranks that shard ``param``.
-
-    For state drawn at random (Bi-Mask's candidate row orders), which ranks seeded differently
-    would otherwise draw differently.
-    """
-    if is_sharded(param):
-        import torch.distributed as dist
-
-        wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor  # gloo has no bool
-        dist.broadcast(wire, group=param.device_mesh.get_group(), group_src=0)
-    return tensor
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:

@@ -147,7 +147,11 @@ def test_bi_mask_permutation_search_and_schedule():
     w = torch.randn(32, 16)
     from nmcompile.recipes.bi_mask import search_permutation, shared_kept
 
-    perm = search_permutation(w, 2, 4, 1, candidates=50)
+    perm = search_permutation(w, 2, 4, 1, candidates=50, step=0)
+    # the candidates depend on the step only: no draw from the user's generator, same on every rank
+    state = torch.get_rng_state()
+    assert torch.equal(search_permutation(w, 2, 4, 1, candidates=50, step=0), perm)
+    assert torch.equal(torch.get_rng_state(), state)
     identity = torch.arange(32)
     scores = shared_kept(w, torch.stack([identity, perm]), 2, 4, 1)
     assert scores[1] >= scores[0]

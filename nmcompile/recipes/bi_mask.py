@@ -8,8 +8,9 @@
 
 ``perm`` is the output-row order, among the identity and ``candidates`` random permutations,
 that keeps the most weights in both masks; it is searched when the weight is annotated and every
-``every`` optimizer steps (random permutations from torch's generator, so runs are reproducible
-under ``torch.manual_seed``). Convolutions group ``F`` along input channels and ``B`` along output
+``every`` optimizer steps. The candidates come from a generator seeded by the optimizer step
+alone: the same on every rank (DDP, FSDP2) and after a resume, and the user's random stream is
+not touched. Convolutions group ``F`` along input channels and ``B`` along output
 channels, per kernel position, on the weight itself (no unfold).
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from .. import masks
 from ..clock import new_step
-from ..sharding import broadcast_, full
+from ..sharding import full
 from .base import Recipe
 from .transposable import fits_both_axes
 
@@ -43,10 +44,14 @@ def shared_kept(weight: torch.Tensor, perms: torch.Tensor, n: int, m: int, dim: 
     return torch.cat(scores)
 
 
-def search_permutation(weight: torch.Tensor, n: int, m: int, dim: int, candidates: int) -> torch.Tensor:
-    """The best output-row order among the identity and ``candidates`` random ones (ties: first)."""
+def search_permutation(weight: torch.Tensor, n: int, m: int, dim: int, candidates: int, step: int) -> torch.Tensor:
+    """The best output-row order among the identity and ``candidates`` random ones (ties: first).
+
+    The random orders at optimizer step ``step`` are always the same ones.
+    """
     size = weight.shape[out_axis(dim)]
-    perms = [torch.arange(size)] + [torch.randperm(size) for _ in range(candidates)]
+    gen = torch.Generator().manual_seed(0x5EED + step)
+    perms = [torch.arange(size)] + [torch.randperm(size, generator=gen) for _ in range(candidates)]
     perms = torch.stack(perms).to(weight.device)
     scores = shared_kept(weight.detach(), perms, n, m, dim)
     return perms[scores.argmax()]
@@ -73,7 +78,7 @@ class BiMask(Recipe):
         return fits_both_axes(self, weight, dim)
 
     def init_state(self, weight, dim):
-        return {"step": new_step(weight), "perm": search_permutation(weight, self.n, self.m, dim, self.candidates)}
+        return {"step": new_step(weight), "perm": search_permutation(weight, self.n, self.m, dim, self.candidates, 0)}
 
     def example_state(self, weight, dim):
         return {"step": new_step(weight), "perm": torch.arange(weight.shape[out_axis(dim)], device=weight.device)}
@@ -89,5 +94,5 @@ class BiMask(Recipe):
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
             if w.step % self.every == 0:
-                perm = search_permutation(full(w.param), self.n, self.m, w.ann.dim, self.candidates)
-                w.state["perm"].copy_(broadcast_(perm, w.param))  # FSDP2: every rank takes rank 0's draw
+                perm = search_permutation(full(w.param), self.n, self.m, w.ann.dim, self.candidates, w.step)
+                w.state["perm"].copy_(perm)
