@@ -105,16 +105,45 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
+def _fresh_state_message(slots) -> str:
+    """Why weights whose recipe state is created at their first forward cannot resume that state.
+
+    State is made lazily for a weight declared through options, NMSPARSE_RECIPE or a region. A
+    checkpoint loaded before that forward (the Trainer's resume_from_checkpoint, load_state_dict)
+    found no ``<param>_nm_<key>`` buffers to load into, and dropped those entries as unexpected.
+    """
+    routes = {"options": "the backend options", "region": "nmcompile.region"}
+    names = [f"{slot.fqn} ({slot.recipe} from {routes.get(slot.origin, slot.origin)})" for slot in slots]
+    shown = "; ".join(names[:4]) + (f"; and {len(names) - 4} more" if len(names) > 4 else "")
+    origins = {slot.origin for slot in slots}
+    if origins == {"NMSPARSE_RECIPE"}:
+        fix = "nmcompile.annotate(model, os.environ['NMSPARSE_RECIPE'])"  # same strings and TOML paths
+    elif origins == {"options"}:
+        fix = f"nmcompile.annotate(model, {str(slots[0].recipe)!r}) with the options' include/exclude"
+    else:
+        fix = "nmcompile.annotate(model, {weight name: recipe, ...})"
+    return (
+        f"nmsparse: recipe state for {len(slots)} weight(s) is created at their first forward and starts fresh "
+        f"from the weights as they are now: {shown}. If a checkpoint was loaded into this model before this "
+        "forward (Trainer.train(resume_from_checkpoint=...), load_state_dict(strict=False)), that state was not "
+        "restored from it (its <param>_nm_<key> entries were dropped as unexpected keys), so the resumed run does "
+        "not continue the saved one. To save and restore recipe state, declare the recipe before building the "
+        f"Trainer or loading: {fix}, then compile as before"
+    )
+
+
 class _Slot:
     """One sparsified weight: where its module arrives among the call arguments, and its layout."""
 
-    __slots__ = ("owner", "param_name", "fqn", "recipe", "dim")
+    __slots__ = ("owner", "param_name", "fqn", "recipe", "dim", "origin")
 
     def __init__(self, owner: int, target):
         self.owner, self.param_name, self.fqn = owner, target.param_name, target.fqn
         self.recipe, self.dim = target.recipe, target.dim  # recipe: the one declared at compile time
+        self.origin = target.origin  # the declaration route (annotate, region, options, NMSPARSE_RECIPE)
 
-    def annotation(self, module):
+    def annotation(self, module, fresh: list):
+        """The weight's annotation; attaches the compiled recipe (and appends to ``fresh``) the first time."""
         param = module._parameters[self.param_name]
         ann = getattr(param, ATTR, None)
         if ann is None and deployed_of(param) is not None:
@@ -130,6 +159,8 @@ class _Slot:
                     "can run; its mask was computed on the weights as they are",
                     stacklevel=2,
                 )
+            if self.recipe.state_names:
+                fresh.append(self)
             ann = attach(module, self.param_name, self.recipe, self.dim)
         return ann
 
@@ -214,7 +245,10 @@ class _CompiledNM:
         n = self.n_inputs
         owners = args[n:]
         slots = self.slots
-        anns = tuple([slot.annotation(owners[slot.owner]) for slot in slots])
+        fresh: list = []
+        anns = tuple([slot.annotation(owners[slot.owner], fresh) for slot in slots])
+        if fresh:
+            warnings.warn(_fresh_state_message(fresh), stacklevel=2)
         inputs = list(args[:n])
         frames = []
         for slot, ann in zip(slots, anns):
