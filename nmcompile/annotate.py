@@ -7,6 +7,8 @@ A weight's recipe is recorded on its ``nn.Parameter`` (attribute ``_nmcompile``,
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -35,6 +37,12 @@ class WeightAnnotation:
     # run-time companions, not part of the declaration (excluded from equality):
     clock: StepMirror = field(default_factory=StepMirror, compare=False, repr=False)
     trace: Trace = field(default_factory=Trace, compare=False, repr=False)  # diagnostics
+    hooks: list = field(default_factory=list, compare=False, repr=False)  # load_state_dict hook handles
+
+    def detach_hooks(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
 
     def buffer_names(self, param_name: str) -> tuple[str, ...]:
         return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)
@@ -65,6 +73,7 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
         if all(name in module._buffers for name in old.buffer_names(param_name)):
             return old
     if old is not None:
+        old.detach_hooks()
         for name in old.buffer_names(param_name):
             module._buffers.pop(name, None)
     ann = WeightAnnotation(recipe, dim)
@@ -73,9 +82,70 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
     for key, name in zip(recipe.state_names, ann.buffer_names(param_name)):
         module.register_buffer(name, state[key])
     setattr(param, ATTR, ann)
+    ann.hooks.append(module.register_load_state_dict_pre_hook(functools.partial(_before_load, param_name, ann)))
+    ann.hooks.append(module.register_load_state_dict_post_hook(functools.partial(_after_load, param_name, ann)))
     if hasattr(param, DEPLOY_ATTR):  # a finalized weight that trains again
         delattr(param, DEPLOY_ATTR)
     return ann
+
+
+def _before_load(pname: str, ann: WeightAnnotation, module, state_dict, prefix, local_metadata, strict,
+                 missing_keys, unexpected_keys, error_msgs) -> None:
+    """Check a checkpoint's recipe state for one weight before ``load_state_dict`` copies it.
+
+    - State of another recipe (keys ``<param>_nm_<key>`` this recipe does not have): a warning naming
+      the weight and both sets of keys; ``load_state_dict`` then refuses them as unexpected keys
+      (``strict=False`` drops them).
+    - No state for this recipe but a weight (a dense checkpoint, or one from another recipe): the
+      state is computed from the incoming weight, as ``annotate`` after loading would, with a warning.
+    - A stored mask that breaks the recipe's N:M pattern (saved with another pattern): an error.
+    ``state_dict`` is ``load_state_dict``'s own copy, so filling it in leaves the caller's dict as it was.
+    """
+    from . import masks
+    from .sharding import full
+
+    weight_key, recipe = prefix + pname, ann.recipe
+    ours = dict(zip(ann.buffer_names(pname), recipe.state_names))
+    theirs = [k for k in state_dict if k.startswith(f"{weight_key}_nm_") and k[len(prefix):] not in ours]
+    if theirs:  # (``strict`` is always True here: load_state_dict decides on unexpected keys afterwards)
+        warnings.warn(
+            f"nmcompile: {weight_key} carries {recipe} (state: {', '.join(prefix + k for k in ours) or 'none'}), but the "
+            f"checkpoint holds {', '.join(theirs)}: it was saved with another recipe. load_state_dict refuses it as "
+            "unexpected keys, or drops it with strict=False; to keep it, annotate the model with the checkpoint's "
+            "recipe before loading",
+            stacklevel=2,
+        )
+    absent = [k for k in ours if prefix + k not in state_dict]
+    if absent and weight_key in state_dict:
+        with torch.no_grad():
+            incoming = full(state_dict[weight_key]).to(module._parameters[pname].device)
+            fresh = recipe.init_state(incoming, ann.dim)
+        for k in absent:
+            state_dict[prefix + k] = fresh[ours[k]]
+        warnings.warn(
+            f"nmcompile: the checkpoint has no {recipe} state for {weight_key} ({', '.join(prefix + k for k in absent)}); "
+            "it was computed from the loaded weight, as nmcompile.annotate after loading would",
+            stacklevel=2,
+        )
+    mask_key = f"{weight_key}_nm_mask"
+    if "mask" in recipe.state_names and mask_key in state_dict and mask_key[len(prefix):] in ours:
+        mask = state_dict[mask_key]
+        if mask.shape == module._parameters[pname].shape:
+            bad, total = masks.count_violations(full(mask), recipe.n, recipe.m, ann.dim)
+            if bad:  # load_state_dict copies the rest before raising: keep this weight's valid mask
+                state_dict[mask_key] = module._buffers[mask_key[len(prefix):]]
+                error_msgs.append(
+                    f"{mask_key} in the checkpoint is not {recipe.n}:{recipe.m} ({bad} of {total} groups keep more): "
+                    f"it was saved with another pattern than {recipe}. Annotate the model with the checkpoint's "
+                    "recipe before loading"
+                )
+
+
+def _after_load(pname: str, ann: WeightAnnotation, module, incompatible_keys) -> None:
+    """``load_state_dict(assign=True)`` put new parameter objects in place: they carry the recipe too."""
+    param = module._parameters.get(pname)
+    if param is not None and annotation_of(param) is None and not hasattr(param, DEPLOY_ATTR):
+        setattr(param, ATTR, ann)
 
 
 @dataclass

@@ -119,6 +119,7 @@ def finalize(model: nn.Module, *, force: bool = False) -> FinalizeReport:
                 for buffer in ann.buffer_names(pname):
                     module._buffers.pop(buffer, None)
                 if annotation_of(param) is not None:
+                    annotation_of(param).detach_hooks()
                     delattr(param, ATTR)
                 setattr(param, DEPLOY_ATTR, record)
             report[name] = record

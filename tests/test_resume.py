@@ -264,12 +264,6 @@ def test_every_stop_point_of_a_model_mixing_schedules():
     resume_fresh(case, run, 6, "aot_eager")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="load_state_dict(assign=True) replaces the Parameter objects, and with them the recipe record "
-    "annotate put on them: the weights then train dense (the backend warns that no recipe is declared), "
-    "and annotating again recreates the state from the weights instead of keeping the loaded buffers",
-)
 def test_annotations_survive_loading_with_assign():
     model = net(1)
     nmcompile.annotate(model, "transposable:2:4,every=3")

@@ -88,7 +88,10 @@ class STEP(Recipe):
 
     def project(self, weight, step, phase, switch_step, z, v, dim, frame=None):
         if self.decay:
-            sparse = torch.ops.nmsparse.prune_decay(weight, self.n, self.m, dim, float(self.decay))
+            # the SR-STE term (added by prune_decay's backward) belongs to phase 2 only: in phase 1
+            # its input is detached, so the term computed there never reaches the dense weight
+            live = torch.where(phase, weight, weight.detach())
+            sparse = torch.ops.nmsparse.prune_decay(live, self.n, self.m, dim, float(self.decay))
         else:
             sparse = torch.ops.nmsparse.prune(weight, self.n, self.m, dim)
         return torch.where(phase, sparse, weight)
@@ -200,9 +203,12 @@ class STEP(Recipe):
                 p = w.param
                 state = optimizer.state[p]
                 group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-                moment = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
-                bias2 = 1 - group["betas"][1] ** float(state["step"])
-                w.state["v"].copy_(full(moment).float() / bias2)  # FSDP2: gathered, whole on every rank
+                moment = state.get("max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq")
+                if moment is None:  # never had a gradient (a frozen layer): nothing to freeze, v stays 0
+                    w.state["v"].zero_()
+                else:
+                    bias2 = 1 - group["betas"][1] ** float(state["step"])
+                    w.state["v"].copy_(full(moment).float() / bias2)  # FSDP2: gathered, whole on every rank
                 w.state["switch_step"].fill_(w.step)
                 w.state["phase"].fill_(True)
             grad = w.scratch.pop("grad", None)
