@@ -51,8 +51,9 @@ class Tracked:
 class OptimizerHook:
     """The handle :func:`hook_optimizer` returns; ``remove()`` detaches it."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, diagnostics_every: int):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, diagnostics_every: int, check_finite: bool = False):
         self.model, self.optimizer, self.diagnostics_every = model, optimizer, diagnostics_every
+        self.check_finite = check_finite
         self.steps = 0  # optimizer steps seen by this hook
         self._key: tuple | None = None
         self._groups: dict = {}
@@ -88,8 +89,27 @@ class OptimizerHook:
 
     def _before(self, optimizer, args, kwargs) -> None:
         with torch.no_grad():
-            for recipe, weights in self.tracked().items():
+            groups = self.tracked()
+            if self.check_finite:
+                self._raise_if_not_finite(groups)
+            for recipe, weights in groups.items():
                 recipe.before_step(weights, optimizer)
+
+    def _raise_if_not_finite(self, groups) -> None:
+        """Name the first annotated weight whose value or gradient holds NaN or inf (before the step runs)."""
+        step = self.steps + 1
+        for weights in groups.values():
+            for w in weights:
+                for what, tensor in (("weight", w.param), ("gradient", w.param.grad)):
+                    if tensor is None:
+                        continue
+                    bad = int((~torch.isfinite(tensor)).sum())
+                    if bad:
+                        raise FloatingPointError(
+                            f"nmcompile: the {what} of {w.name!r} ({w.ann.recipe}) holds {bad} NaN/inf value(s) "
+                            f"at optimizer step {step}; the step was not taken, so the weights are those of step "
+                            f"{step - 1}. Lower the learning rate, clip gradients, or look for the cause upstream"
+                        )
 
     def _after(self, optimizer, args, kwargs) -> None:
         self.steps += 1
@@ -116,7 +136,9 @@ def _mask_of(recipe, weight, state, dim):
     return recipe.mask(weight, *state, dim=dim)
 
 
-def hook_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, diagnostics_every: int = 0) -> OptimizerHook:
+def hook_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, diagnostics_every: int = 0, check_finite: bool = False
+) -> OptimizerHook:
     """Run the recipes' schedules and diagnostics on ``optimizer``'s steps.
 
     Needed by recipes with a schedule (``step``, ``mdgf``, ``sdgf``, ``transposable``, ``bi_mask``);
@@ -128,6 +150,9 @@ def hook_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, diagno
         optimizer: any ``torch.optim.Optimizer`` (STEP needs ``Adam`` or ``AdamW``).
         diagnostics_every: record flip rate and SAD every this many steps (0, the default: never;
             each record computes every weight's mask once more, see docs/benchmarks.md).
+        check_finite: before each step, raise ``FloatingPointError`` naming the annotated weight and
+            the step when its value or gradient holds NaN or inf; the step is not taken. Off by
+            default: it reads every gradient once more and waits for the device each step.
 
     Returns:
         An :class:`OptimizerHook`; ``.remove()`` detaches it.
@@ -140,4 +165,6 @@ def hook_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, diagno
         raise TypeError(f"hook_optimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(diagnostics_every, bool) or not isinstance(diagnostics_every, int) or diagnostics_every < 0:
         raise ValueError(f"hook_optimizer: diagnostics_every must be an int >= 0, got {diagnostics_every!r}")
-    return OptimizerHook(model, optimizer, diagnostics_every)
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"hook_optimizer: check_finite must be True or False, got {check_finite!r}")
+    return OptimizerHook(model, optimizer, diagnostics_every, check_finite)

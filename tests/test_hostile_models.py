@@ -186,3 +186,36 @@ def test_device_move_after_annotation():
     loss.backward()
     opt.step()
     assert torch.isfinite(loss) and nmcompile.check(model).ok
+
+
+def test_non_finite_gradient_names_the_layer_and_the_step():
+    model = MLP()
+    nmcompile.annotate(model, "sr_ste:2:4", exclude=["fc3"])
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nmcompile.hook_optimizer(model, opt, check_finite=True)
+    for step in range(1, 4):
+        compiled(torch.randn(8, 16)).square().mean().backward()
+        if step == 3:
+            model.fc2.weight.grad[0, 0] = float("nan")
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            with pytest.raises(FloatingPointError, match=r"gradient of 'fc2\.weight' \(sr_ste:2:4\).*step 3"):
+                opt.step()
+            assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # step not taken
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
+def test_non_finite_weights_keep_valid_masks_without_the_check():
+    """Documented behaviour without check_finite: hard masks rank NaN above every finite value, so
+    they stay N:M and the NaN reaches the loss, where it shows."""
+    model = MLP()
+    nmcompile.annotate(model, "ste:2:4", exclude=["fc3"])
+    with torch.no_grad():
+        model.fc1.weight[0, :4] = torch.tensor([float("nan"), 1.0, float("inf"), 0.5])
+    assert nmcompile.check(model).ok
+    w = nmcompile.effective_weights(model)["fc1.weight"]
+    assert w[0, 1] == 0 and w[0, 3] == 0  # NaN and inf are kept, the finite ones pruned
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
+    assert not torch.isfinite(compiled(torch.randn(2, 16))).all()
