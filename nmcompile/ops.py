@@ -26,6 +26,8 @@ input gradient's weight, or FP8 rounding); their forwards are the plain aten GEM
   batch and spatial positions for a conv), or the dense ``dY`` when ``mvue_n == 0``;
 - ``fp8``: the forward rounds ``x`` and ``w`` through e4m3, both backward GEMMs round their operands
   through e5m2, each with a per-tensor scale ``FP8_MAX / amax``; accumulation stays float32.
+
+Under ``torch.autocast`` both cast their floating-point inputs to the autocast dtype, as aten's GEMMs do.
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ def _mvue_along(t: Tensor, n: int, m: int, dim: int) -> Tensor:
 
     size = t.shape[dim]
     pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, (-size) % m]
-    return mvue(F.pad(t, pad), n, m, dim).narrow(dim, 0, size)
+    # contiguous before narrowing: a view narrowed from the padded layout has strides that depend on
+    # whether padding happened, which with dynamic shapes guards on the token count modulo m (a recompile)
+    return mvue(F.pad(t, pad), n, m, dim).contiguous().narrow(dim, 0, size)
 
 
 def _linear(x: Tensor, w: Tensor, w_dgrad: Tensor, bias: Optional[Tensor], mvue_n: int, mvue_m: int, fp8: bool) -> Tensor:
@@ -212,6 +216,40 @@ def _conv_backward(ctx, grad):
 
 linear.register_autograd(_linear_backward, setup_context=_gemm_setup)
 conv.register_autograd(_conv_backward, setup_context=_gemm_setup)
+
+
+def _autocast_kernel(op, device_type: str):
+    """The ``Autocast<device>`` kernel of a GEMM op: cast as ``F.linear``/``conv`` are under autocast.
+
+    aten's GEMMs run in the autocast dtype; without this kernel the dispatcher falls through
+    autocast, and Dynamo/AOTAutograd (which run the compiled graph with autocast off) would keep a
+    rewritten layer in float32 while its fake kernel and eager body disagree on the output dtype.
+    ``torch.library.register_autocast`` casts to one fixed dtype; this reads the active one
+    (float16 or bfloat16) at each call.
+    """
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def kernel(keyset, *args):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(value):
+            eligible = (
+                isinstance(value, Tensor) and value.is_floating_point()
+                and value.device.type == device_type and value.dtype is not torch.float64
+            )
+            return value.to(dtype) if eligible else value
+
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return op._opoverload(*[cast(a) for a in args])
+
+    return kernel
+
+
+_LIB = torch.library.Library("nmsparse", "FRAGMENT")  # the GEMM ops' autocast kernels
+for _op in (linear, conv):
+    for _device in ("cpu", "cuda"):
+        _key = "Autocast" + torch._C._dispatch_key_for_device(_device)
+        _LIB.impl(_op._name, _autocast_kernel(_op, _device), _key, with_keyset=True)
 
 #: Forward bodies given to Inductor so it traces (and fuses) the mask math.
 DECOMPOSITIONS = {

@@ -213,7 +213,7 @@ CASES = {
         (STEP_SWITCH - 2, STEP_SWITCH - 1, STEP_SWITCH, STEP_SWITCH + 1),
         step_switched(STEP_SWITCH, by_z=True),
         betas=(0.9, 0.9),
-        eps=5.35e-6,
+        eps=5.365e-6,
     ),
     "mdgf": Case(
         "mdgf:2:4,decay_coef=0.3,finetune_fraction=0.34,total_steps=12",

@@ -20,12 +20,46 @@ _MHA_POSITIONS = (5, 11)
 _MHA_KEYWORDS = ("in_proj_weight", "out_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
+#: ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)`` as Dynamo records it: a call
+#: ``tag_activation_checkpoint(body, *args)`` whose body (a submodule) receives the weights as inputs
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def checkpoint_inputs(user: fx.Node, value: fx.Node) -> tuple[fx.GraphModule, list[fx.Node]] | None:
+    """For an activation-checkpoint call ``user`` that takes ``value``: its body and the body's
+    placeholders that receive ``value``; None for any other node."""
+    if user.op != "call_function" or user.target is not _CHECKPOINT or not user.args:
+        return None
+    body_node = user.args[0]
+    if not isinstance(body_node, fx.Node) or body_node.op != "get_attr":
+        return None
+    body = getattr(user.graph.owning_module, body_node.target)
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    return body, [placeholders[i] for i, arg in enumerate(user.args[1:]) if arg is value and i < len(placeholders)]
+
+
+def leaf_uses(user: fx.Node, weight: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """``[(node, the node it reads the weight through)]``: ``(user, weight)``, or, for an activation
+    checkpoint, the uses of the weight inside its body (recursively)."""
+    inside = checkpoint_inputs(user, weight)
+    if inside is None:
+        return [(user, weight)]
+    return [pair for inner in inside[1] for use in list(inner.users) for pair in leaf_uses(use, inner)]
+
+
 def weight_use(user: fx.Node, weight: fx.Node) -> tuple[str, int | None]:
     """How ``user`` consumes ``weight``: ``(kind, reduction dim of the weight)``.
 
-    kind is ``"gemm"`` (linear, addmm, matmul, conv with the weight as the weight operand),
-    ``"embedding"``, or the name of any other op (which nmcompile does not rewrite through).
+    kind is ``"gemm"`` (linear, addmm, matmul, conv with the weight as the weight operand; also an
+    activation checkpoint whose body uses it only so, along one dim), ``"embedding"``, or the name
+    of any other op (which nmcompile does not rewrite through).
     """
+    if checkpoint_inputs(user, weight) is not None:
+        uses = {weight_use(node, inner) for node, inner in leaf_uses(user, weight)}
+        if len(uses) == 1 and next(iter(uses))[0] == "gemm":
+            return uses.pop()
+        kinds = sorted(kind for kind, _ in uses if kind != "gemm") or ["GEMMs of two reduction dims"]
+        return f"{kinds[0]} inside torch.utils.checkpoint", None
     target = user.target
     args = user.args
     if user.op == "call_function":
@@ -158,6 +192,27 @@ def gemm_operands(user: fx.Node, weight: fx.Node) -> dict | None:
         return {"kind": "conv", "x": args[0], "bias": bias, "stride": stride, "padding": padding,
                 "dilation": dilation, "groups": groups}
     return None
+
+
+def own_checkpoint_body(user: fx.Node) -> fx.GraphModule:
+    """The body of the activation checkpoint ``user`` as a copy that only this graph module holds.
+
+    A graph module made from another (the backend's working copy of Dynamo's graph) shares its
+    submodules; a pass that rewrites a body must not change the one Dynamo's graph keeps.
+    """
+    gm = user.graph.owning_module
+    name = user.args[0].target
+    body = getattr(gm, name)
+    if getattr(body, "meta", {}).get("nmcompile_owner") == id(gm):
+        return body
+    graph = fx.Graph()
+    val_map: dict = {}
+    graph.output(graph.graph_copy(body.graph, val_map))
+    copy = fx.GraphModule(body, graph)
+    copy.meta.update(getattr(body, "meta", {}))
+    copy.meta["nmcompile_owner"] = id(gm)  # not the module itself: that would register it as a submodule
+    setattr(gm, name, copy)
+    return copy
 
 
 def add_input(graph: fx.Graph, after: fx.Node, name: str) -> fx.Node:

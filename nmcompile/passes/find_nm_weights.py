@@ -17,13 +17,13 @@ from . import _graph
 from .context import NMTarget, PassContext
 
 
-def _resolve(ctx: PassContext, param, fqn: str, users):
+def _resolve(ctx: PassContext, param, fqn: str, node, users):
     ann = annotation_of(param)
     if ann is not None:
         return ann.recipe, "annotate"
     if deployed_of(param) is not None:
         return None, "finalize"  # deployed: the deploy passes take it
-    region = _graph.region_recipe(users)
+    region = _graph.region_recipe([use for user in users for use, _ in _graph.leaf_uses(user, node)])
     if region is not None:
         return (None if region == "dense" else parse(region)), "region"
     for origin, plan in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)):
@@ -45,7 +45,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
                 ctx.skipped[fqn] = f"annotated {ann.recipe} but used only by {kinds}, not as a linear/conv weight"
             continue  # bias, norm scale, embedding, ...
         ctx.candidates.append(fqn)
-        recipe, origin = _resolve(ctx, param, fqn, users)
+        recipe, origin = _resolve(ctx, param, fqn, node, users)
         ctx.declared = ctx.declared or origin is not None
         if recipe is None:
             continue
@@ -69,7 +69,8 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
             else:
                 skip = recipe.fits(param, dim)
             if skip is None and recipe.rewrites_consumer:
-                forms = [(u, _graph.gemm_operands(u, node)) for u in users]
+                leaves = [pair for u in users for pair in _graph.leaf_uses(u, node)]
+                forms = [(u, _graph.gemm_operands(u, w)) for u, w in leaves]
                 fixed = [u.format_node() for u, ops in forms if ops is None]
                 if getattr(recipe, "fp8", False) and any(ops and ops["kind"] == "conv" for _, ops in forms):
                     skip = f"{recipe}: the FP8 simulation covers linear GEMMs, not convolutions"
