@@ -82,6 +82,8 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
     for key, name in zip(recipe.state_names, ann.buffer_names(param_name)):
         module.register_buffer(name, state[key])
     setattr(param, ATTR, ann)
+    if recipe.clocked:  # the clock follows this buffer (and loads into it) from now on
+        ann.clock.read(module._buffers[ann.buffer_names(param_name)[recipe.state_names.index("step")]])
     ann.hooks.append(module.register_load_state_dict_pre_hook(functools.partial(_before_load, param_name, ann)))
     ann.hooks.append(module.register_load_state_dict_post_hook(functools.partial(_after_load, param_name, ann)))
     if hasattr(param, DEPLOY_ATTR):  # a finalized weight that trains again

@@ -271,3 +271,26 @@ def test_annotations_survive_loading_with_assign():
     nmcompile.annotate(saved, "transposable:2:4,every=3")
     model.load_state_dict(saved.state_dict(), assign=True)
     assert_equal_dicts(effective(model), effective(saved), "effective weights after load_state_dict(assign=True)")
+
+
+def test_resumed_framed_recipe_compiles_for_its_current_frame():
+    """A run resumed in a later SDGF frame compiles that frame first: with dynamic shapes, where a
+    graph cannot change frames, it works instead of asking for dynamic=False."""
+    saved = net(0)
+    nmcompile.annotate(saved, "sdgf:1:8,total_steps=12")
+    with torch.no_grad():
+        for name, buffer in saved.named_buffers():
+            if name.endswith("_nm_step"):
+                buffer.fill_(7)  # frame 2 of 7:8, 4:8, 2:8, 1:8 (starts 0, 3, 6, 9)
+    model = net(1)
+    nmcompile.annotate(model, "sdgf:1:8,total_steps=12")
+    model.load_state_dict(saved.state_dict())
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"}, dynamic=True)
+    x = torch.randn(5, 32)
+    out = compiled(x)
+    weights = effective(model)
+    assert all(int((w.reshape(w.shape[0], -1, 8) != 0).sum(-1).max()) == 2 for w in weights.values())  # 2:8
+    want = x
+    for i, layer in enumerate(model):
+        want = F.linear(want, weights[f"{i}.weight"], layer.bias) if isinstance(layer, nn.Linear) else layer(want)
+    torch.testing.assert_close(out, want)

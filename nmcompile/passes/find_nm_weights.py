@@ -32,6 +32,13 @@ def _resolve(ctx: PassContext, param, fqn: str, node, users):
     return None, None
 
 
+def _clock(ann) -> int:
+    """The weight's optimizer step now, so that a framed recipe is compiled for its current frame
+    (a resumed run, a recompile for dynamic shapes), or 0 for a weight not annotated yet."""
+    step = ann.clock.tensor if ann is not None else None
+    return ann.clock.read(step) if step is not None else 0
+
+
 def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
     found = 0
     for node, param, source in _graph.parameter_placeholders(gm):
@@ -82,7 +89,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         if skip is not None:
             ctx.skipped[fqn] = f"{skip} (recipe {recipe} from {origin})"
             continue
-        frame = recipe.frame_at(0) if recipe.framed else None
+        frame = recipe.frame_at(_clock(annotation_of(param))) if recipe.framed else None
         ctx.targets.append(NMTarget(node, fqn, recipe, dim, owner[0], owner[1], origin, frame))
         found += 1
     return found
