@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _distributed import RECIPES, STEPS, STOP, WORLD, Net, check, rank_loss, run_ranks, snapshot, train
+from _distributed import RECIPES, STEPS, STOP, WORLD, Net, check, nm_ok, rank_loss, run_ranks, snapshot, train
 
 import nmcompile
 
@@ -39,7 +39,20 @@ def _worker(rank: int, out_dir: str) -> None:
     net = fully_shard(Net())
     with pytest.raises(ValueError, match="before fully_shard"):  # ASP's permutation would be lost
         nmcompile.annotate(net, "asp:2:4")
-    results = {}
+    # the route the error names: permute before fully_shard, attach the mask after it
+    torch.manual_seed(0)
+    net = Net()
+    permuted = nmcompile.annotate(net, "asp:2:4", exclude=["head"]).prepared["asp:2:4"]
+    for block in net.blocks:
+        fully_shard(block)
+    fully_shard(net)
+    nmcompile.annotate(net, "asp:2:4,permute=False", exclude=["head"])
+    for block in net.blocks:
+        block.compile(backend="nmsparse", options={"inner": "aot_eager"})
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    nmcompile.hook_optimizer(net, opt)
+    train(net, opt, range(2), rank_loss(rank))
+    results = {"asp two-step": {"groups": len(permuted.groups), "whole": snapshot(net)}}
     for name, spec in RECIPES.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -71,4 +84,9 @@ def test_fsdp2_every_recipe_agrees_resumes_and_matches_one_process(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     run_ranks(_worker, str(tmp_path), timeout_s=600)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
+    two0, two1 = r0.pop("asp two-step"), r1.pop("asp two-step")
+    assert two0["groups"] > 0  # the permutation ran before sharding
+    assert len(two0["whole"]["effective"]) == 4
+    for k, w in two0["whole"]["effective"].items():
+        assert torch.equal(w, two1["whole"]["effective"][k]) and nm_ok(w, 2, 4), k
     check(r0, r1, _setup)
