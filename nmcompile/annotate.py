@@ -230,8 +230,8 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
     # (the unsharded one the forward uses, the sharded one the optimizer updates) carry the annotation
     with unsharded(model):
         report = _annotate(model, plan, strict, sharded=True)
-        places = [(m, p) for _, places in _owners(model) for _, m, p in places[:1]]
-        anns = [(m, p, annotation_of(m._parameters[p])) for m, p in places]
+        owners = [places[0][1:] for _, places in _owners(model)]  # (module, parameter name)
+        anns = [(m, p, annotation_of(m._parameters[p])) for m, p in owners]
     for module, pname, ann in anns:
         if ann is not None:
             setattr(module._parameters[pname], ATTR, ann)
