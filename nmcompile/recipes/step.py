@@ -33,6 +33,7 @@ import torch
 from ..clock import new_step
 from ..sharding import full, is_sharded, local, shard_of, sum_over_ranks
 from .base import Recipe
+from .step_kernels import change_sum, frozen_update
 
 
 def _decoupled(optimizer, group) -> bool:
@@ -136,13 +137,8 @@ class STEP(Recipe):
                 g = g + group["weight_decay"] * local(p).float()
             v = local(optimizer.state.get(p, {}).get("exp_avg_sq"))
             # |dv| / (1 - b2) = |g^2 - v|: the constant factor is applied to the mean below
-            change = g * g if v is None else torch.addcmul(v.float(), g, g, value=-1)
-            if self.z_option == 1:
-                total = total + torch.linalg.vector_norm(change, ord=1)
-            else:
-                floor = eps / (1 - group["betas"][1])
-                total = total + torch.where(change != 0, change.abs(), floor).log_().sum()
-            count += change.numel()
+            total = total + change_sum(v, g, self.z_option, eps / (1 - group["betas"][1]))
+            count += g.numel()
         params = [w.param for w in weights]
         if any(is_sharded(p) for p in params):  # FSDP2: every rank summed its own rows
             device = local(params[0]).device
@@ -186,14 +182,8 @@ class STEP(Recipe):
         state["step"] += 1
         t = float(state["step"])
         beta2 = group["betas"][1]
-        exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        frozen = shard_of(w.state["v"], param)
-        live = exp_avg_sq.float()
-        bias1 = 1 - beta1**t
-        denom = torch.where(frozen > 0, frozen, live / (1 - beta2**t)).sqrt_().add_(group["eps"]).to(p.dtype)
-        p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+        frozen_update(p, g, local(state["exp_avg"]), local(state["exp_avg_sq"]), shard_of(w.state["v"], param),
+                      lr=lr, beta1=beta1, beta2=beta2, bias1=1 - beta1**t, bias2=1 - beta2**t, eps=group["eps"])
         w.scratch["grad"] = param.grad
         param.grad = None  # the optimizer's own step skips parameters without a gradient
 
