@@ -17,6 +17,7 @@ from .packed import Packed24, pack, pack_state_dict, unpack, unpack_state_dict
 from .plan import Plan
 from .recipes import parse as recipe
 from .region import region
+from .report import save_run
 
 __all__ = [
     "annotate",
@@ -35,6 +36,7 @@ __all__ = [
     "Packed24",
     "hook_optimizer",
     "plot_diagnostics",
+    "save_run",
     "effective_weights",
     "NMPattern",
     "Plan",

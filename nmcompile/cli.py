@@ -95,10 +95,11 @@ def main(argv=None) -> int:
     p.set_defaults(run=_demo)
     p = sub.add_parser(
         "report", help="plot a recorded run: loss, flip rate, per-layer sparsity, STEP's switch",
-        description="Reads RUN_DIR/run.json (written by nmcompile demo) and writes loss.png, masks.png and "
+        description="Reads RUN_DIR/run.json (written by nmcompile demo, or by nmcompile.save_run from your own "
+        "training loop) and writes loss.png, masks.png and "
         "sparsity.png next to it; prints their paths.",
     )
-    p.add_argument("run_dir", help="a folder written by 'nmcompile demo --out RUN_DIR'")
+    p.add_argument("run_dir", help="a folder written by 'nmcompile demo --out RUN_DIR' or nmcompile.save_run")
     p.set_defaults(run=_report)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -1,4 +1,5 @@
-"""Plots of a recorded run (``run.json`` from ``nmcompile demo`` or :func:`nmcompile.run.train_run`).
+"""Plots of a recorded run: ``run.json`` from ``nmcompile demo``, or from a user's own training loop
+through :func:`save_run`.
 
 :func:`write_report` writes into the run's folder:
 
@@ -15,16 +16,62 @@ import os
 
 import torch
 
-from .diagnostics import plot_diagnostics
+from .diagnostics import diagnostics, plot_diagnostics
+from .inspection import _effective
 
-__all__ = ["write_report", "load_run"]
+__all__ = ["write_report", "load_run", "save_run", "model_record"]
+
+
+def model_record(model) -> dict:
+    """The model's part of a run record: each annotated weight's recipe, diagnostics series and
+    final sparsity (fraction of zeros in the forward weight)."""
+    recipes, sparsity = {}, {}
+    for name, ann, weight in _effective(model):
+        recipes[name] = str(ann.recipe)
+        sparsity[name] = float((weight == 0).float().mean())
+    series = {name: {key: value.tolist() for key, value in entry.items()} for name, entry in diagnostics(model).items()}
+    return {"recipes": recipes, "diagnostics": series, "sparsity": sparsity}
+
+
+def _points(name: str, values) -> list[tuple[int, float]]:
+    out = []
+    for item in values:
+        try:
+            step, value = item
+            out.append((int(step), float(value)))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"save_run: {name} must be (optimizer step, value) pairs, got {item!r}") from err
+    return out
+
+
+def save_run(run_dir, model, *, loss=(), eval=(), eval_name: str = "evaluation", recipe: str | None = None) -> str:
+    """Write ``run_dir/run.json`` from a user's own training loop, for ``nmcompile report RUN_DIR``.
+
+    ``loss`` and ``eval`` are ``(optimizer step, value)`` pairs; the diagnostics (recorded by
+    :func:`nmcompile.hook_optimizer` with ``diagnostics_every``), the final per-layer sparsity and
+    STEP's switch come from ``model``. ``recipe`` labels the plots (default: the recipes found).
+    Returns the file's path.
+    """
+    record = {"loss": _points("loss", loss), "eval": _points("eval", eval), "eval_name": eval_name}
+    record.update(model_record(model))
+    if not record["recipes"]:
+        raise ValueError("save_run: the model has no annotated weights (annotate it, or compile it with a recipe, first)")
+    record["recipe"] = recipe or ", ".join(sorted(set(record["recipes"].values())))
+    record["steps_run"] = max((step for step, _ in record["loss"] + record["eval"]), default=0)
+    run_dir = os.fspath(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "run.json")
+    with open(path, "w") as handle:
+        json.dump(record, handle)
+    return path
 
 
 def load_run(run_dir) -> dict:
     path = os.path.join(os.fspath(run_dir), "run.json")
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"{path} does not exist; RUN_DIR must be a folder written by 'nmcompile demo --out RUN_DIR'"
+            f"{path} does not exist; RUN_DIR must be a folder written by 'nmcompile demo --out RUN_DIR' "
+            "or by nmcompile.report.save_run(RUN_DIR, model, loss=...) from your own training loop"
         )
     with open(path) as handle:
         return json.load(handle)

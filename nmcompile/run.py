@@ -18,11 +18,10 @@ import torch
 from torch import nn
 
 from .annotate import annotate
-from .diagnostics import diagnostics
-from .inspection import effective_weights
 from .optimizer_hook import hook_optimizer
 from .progress import Progress
 from .recipes import parse
+from .report import model_record
 
 __all__ = ["train_run", "with_total_steps"]
 
@@ -37,13 +36,6 @@ def with_total_steps(spec: str, steps: int) -> str:
     if "total_steps" in fields and "total_steps=" not in spec:
         return f"{spec},total_steps={steps}"
     return spec
-
-
-def _series(diag: dict) -> dict:
-    out = {}
-    for name, entry in diag.items():
-        out[name] = {key: value.tolist() for key, value in entry.items()}
-    return out
 
 
 def train_run(
@@ -111,7 +103,6 @@ def train_run(
     record["steps_run"] = done
     record["seconds"] = time.perf_counter() - start
     if recipe is not None:
-        record["diagnostics"] = _series(diagnostics(model))
-        record["sparsity"] = {name: float((w == 0).float().mean()) for name, w in effective_weights(model).items()}
+        record.update(model_record(model))
     record["final_eval"] = record["eval"][-1][1] if record["eval"] else None
     return {"record": record, "model": model, "compiled": compiled}

@@ -58,6 +58,34 @@ def test_report_command(tmp_path, capsys):
     assert "must be a folder written by 'nmcompile demo" in capsys.readouterr().err
 
 
+def test_report_of_a_users_own_training_loop(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    nmcompile.annotate(model, "step:2:4,total_steps=20,t_min=0.1,t_max=0.3", exclude=["2"])
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    nmcompile.hook_optimizer(model, opt, diagnostics_every=2)
+    x, y = torch.randn(64, 16), torch.randint(4, (64,))
+    losses = []
+    for step in range(1, 21):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append((step, loss.item()))
+    with pytest.raises(ValueError, match="pairs"):
+        nmcompile.save_run(tmp_path, model, loss=[1.0, 2.0])
+    path = nmcompile.save_run(tmp_path, model, loss=losses, eval=[(20, 0.5)], eval_name="accuracy")
+    run = json.loads(open(path).read())
+    assert run["recipes"] == {"0.weight": "step:2:4,total_steps=20,t_max=0.3"}  # defaults left out
+    assert run["sparsity"] == {"0.weight": 0.5} and run["steps_run"] == 20
+    assert 2 <= run["diagnostics"]["0.weight"]["switch_step"] <= 6  # STEP switched inside [t_min, t_max]
+    assert cli(["report", str(tmp_path)]) == 0
+    assert all((tmp_path / n).stat().st_size > 0 for n in ("loss.png", "masks.png", "sparsity.png"))
+    with pytest.raises(ValueError, match="no annotated weights"):
+        nmcompile.save_run(tmp_path / "dense", torch.nn.Linear(4, 4), loss=losses)
+
+
 def test_demo_command_reports_a_bad_recipe(capsys, tmp_path):
     assert cli(["demo", "--recipe", "sr_stee:2:4", "--out", str(tmp_path), "--quiet"]) == 2
     assert "did you mean 'sr_ste'" in capsys.readouterr().err
