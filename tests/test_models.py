@@ -18,9 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 import nmcompile
+from nmcompile.recipes import step_kernels
 
 RECIPES = ["ste:2:4", "sr_ste:2:4", "s_ste:2:4"]
 STEPS = 20
@@ -32,11 +34,21 @@ AOT = {"inner": "aot_eager"}
 # --------------------------------------------------------------------------------------------
 
 
+def warm_step_kernels() -> None:
+    """Compile STEP's fp32 optimizer kernels now, so the counters of a test see only the model's graphs."""
+    p, g, m, v, frozen = (torch.ones(8) for _ in range(5))  # distinct tensors: Dynamo guards on aliasing
+    with torch.no_grad():  # as in the optimizer hook (Dynamo guards on grad mode too)
+        step_kernels.change_sum(v, g, 1, 1e-5)
+        step_kernels.frozen_update(p, g, m, v, frozen, lr=0.1, beta1=0.9, beta2=0.99, bias1=0.1, bias2=0.1, eps=1e-8)
+
+
 @pytest.fixture(autouse=True)
-def _fresh_counters(monkeypatch):
+def _fresh_counters(monkeypatch, request):
     """Every test starts with no compiled code, zeroed Dynamo counters and no NMSPARSE_RECIPE."""
     monkeypatch.delenv("NMSPARSE_RECIPE", raising=False)
     torch._dynamo.reset()
+    if "step" in request.node.name:
+        warm_step_kernels()
     counters.clear()
     torch.manual_seed(0)
     yield
@@ -54,8 +66,15 @@ def nm_violations(w: torch.Tensor, dim: int, n: int = 2, m: int = 4) -> int:
     return int((nonzero > n).sum())
 
 
+def assert_step_kernels_compiled_once() -> None:
+    """STEP's fused optimizer kernels (compiled outside the model) did not recompile for other weights."""
+    entries = [len(_debug_get_cache_entry_list(f.__code__)) for f in (step_kernels._change_sum, step_kernels._frozen_update)]
+    assert max(entries) <= 1, f"STEP's optimizer kernels recompiled: {entries} graphs"
+
+
 def assert_single_graph(compiles: int = 1) -> None:
     """Exactly one frame compiled into exactly one graph, no graph break, no recompile."""
+    assert_step_kernels_compiled_once()
     frames = dict(counters["frames"])
     graphs = counters["stats"]["unique_graphs"]
     breaks = dict(counters["graph_break"])

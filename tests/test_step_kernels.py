@@ -54,3 +54,17 @@ def test_non_contiguous_tensors_take_the_eager_path():
     K.frozen_update(p, g, m, v, frozen, lr=0.1, beta1=0.9, beta2=0.999, bias1=0.1, bias2=0.001, eps=1e-8)
     expected = before - 0.1 / 0.1 * (0.1 * g) / (frozen.sqrt() + 1e-8)
     torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_without_a_working_compiler_the_kernels_run_eagerly(monkeypatch):
+    def broken(*args):
+        raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
+
+    monkeypatch.setattr(K, "_compiled_change_sum", broken)
+    monkeypatch.setattr(K, "_unavailable", [])
+    v, g = tensors((16, 8))
+    with pytest.warns(RuntimeWarning, match="could not be compiled"):
+        first = K.change_sum(v, g, 1, 1e-5)
+    torch.testing.assert_close(first, K.change_sum_eager(v, g, 1, 1e-5))
+    assert K._unavailable  # remembered: later calls go straight to the eager definition
+    torch.testing.assert_close(K.change_sum(v, g, 1, 1e-5), first)

@@ -4,12 +4,14 @@ STEP runs two element-wise computations on every STEP weight at every optimizer 
 AutoSwitch statistic in phase 1 and the frozen-moment Adam update in phase 2. Run op by op they
 allocate temporaries the size of the weight and read it several times (about 4 ms per step on four
 1024 x 1024 weights on a 2-core CPU); compiled by Inductor each is one loop. Both are compiled once
-per dtype (flattened to 1-D, dynamic sizes; hyperparameters are symbolic floats, so a learning-rate
+per dtype (on 1-D aliases, dynamic sizes; hyperparameters are symbolic floats, so a learning-rate
 schedule does not recompile). The eager functions are the definitions: they run for
 non-contiguous tensors and are what the tests compare the compiled ones against.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -53,13 +55,34 @@ def _frozen_update(p, g, exp_avg, exp_avg_sq, frozen, lr, beta1, beta2, bias1, b
 
 _compiled_change_sum = torch.compile(_change_sum, dynamic=True, fullgraph=True)
 _compiled_frozen_update = torch.compile(_frozen_update, dynamic=True, fullgraph=True)
+_unavailable: list[str] = []  # why Inductor could not compile the kernels here (then: eager from now on)
+
+
+def _run_fused(compiled, eager, *args):
+    if _unavailable:
+        return eager(*args)
+    try:
+        return compiled(*args)
+    except torch._dynamo.exc.BackendCompilerFailed as err:  # e.g. no C++ compiler, or no Triton for this GPU
+        _unavailable.append(str(err).splitlines()[0])
+        warnings.warn(f"nmcompile: STEP's optimizer kernels could not be compiled ({_unavailable[0]}); "
+                      "running them op by op (slower, same result)", RuntimeWarning, stacklevel=3)
+        return eager(*args)
 
 
 def _flat(*tensors):
-    """1-D views of contiguous tensors, or None when one of them is not contiguous."""
-    if not all(t.is_contiguous() for t in tensors):
+    """1-D aliases of contiguous tensors, or None when one is not contiguous (or when already tracing).
+
+    The aliases share storage but are not views (``set_`` on a new tensor): a view would make
+    Dynamo guard on its base's shape, and weights of other shapes would recompile the kernel.
+    """
+    if torch.compiler.is_compiling() or not all(t.is_contiguous() for t in tensors):
         return None
-    return [t.view(-1) for t in tensors]
+    out = []
+    for t in tensors:
+        alias = torch.empty(0, dtype=t.dtype, device=t.device)
+        out.append(alias.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,)))
+    return out
 
 
 def change_sum(v, g, z_option: int, floor: float):
@@ -67,7 +90,7 @@ def change_sum(v, g, z_option: int, floor: float):
     flat = None if v is None else _flat(v, g)
     if flat is None:
         return change_sum_eager(v, g, z_option, floor)
-    return _compiled_change_sum(*flat, z_option, float(floor))
+    return _run_fused(_compiled_change_sum, change_sum_eager, *flat, z_option, float(floor))
 
 
 def frozen_update(p, g, exp_avg, exp_avg_sq, frozen, *, lr, beta1, beta2, bias1, bias2, eps) -> None:
@@ -77,4 +100,4 @@ def frozen_update(p, g, exp_avg, exp_avg_sq, frozen, *, lr, beta1, beta2, bias1,
     if flat is None or p.dtype != exp_avg.dtype:
         frozen_update_eager(p, g, exp_avg, exp_avg_sq, frozen, *scalars)
         return
-    _compiled_frozen_update(*flat, *scalars)
+    _run_fused(_compiled_frozen_update, frozen_update_eager, *flat, *scalars)
