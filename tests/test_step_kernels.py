@@ -45,6 +45,9 @@ def test_frozen_update_matches_eager(dtype):
         assert a.dtype == dtype
         torch.testing.assert_close(a.float(), b, rtol=rtol, atol=atol)
     assert not torch.equal(fused[0], p)  # it did update in place
+    versions = [t._version for t in fused]
+    K.frozen_update(*fused[:2], fused[2], fused[3], frozen, **hyper)
+    assert [t._version > v for t, v in zip(fused, versions)] == [True, False, True, True]  # p, m, v written
 
 
 def test_non_contiguous_tensors_take_the_eager_path():

@@ -101,3 +101,5 @@ def frozen_update(p, g, exp_avg, exp_avg_sq, frozen, *, lr, beta1, beta2, bias1,
         frozen_update_eager(p, g, exp_avg, exp_avg_sq, frozen, *scalars)
         return
     _run_fused(_compiled_frozen_update, frozen_update_eager, *flat, *scalars)
+    for t in (p, exp_avg, exp_avg_sq):  # written through the aliases: record it as in-place ops would
+        torch.autograd.graph.increment_version(t)
