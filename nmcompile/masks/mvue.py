@@ -23,7 +23,7 @@ laid end to end and the elements whose interval holds one of ``U, U+1, ...`` are
 gives exactly the marginals ``pi``. The element kept with certainty in the skewed N = 2 case is
 taken out of the line first, so floating-point rounding can never drop it.
 
-Everything is written with pointwise ops, sums and a cumsum over the group, with no
+Everything is written with pointwise ops, sums and a running sum over the group, with no
 data-dependent shapes or host syncs, so it traces under ``torch.compile(fullgraph=True)``
 (it runs inside the backward of sparse linear layers, on every gradient).
 """
@@ -63,47 +63,58 @@ def _grouped(x: torch.Tensor, m: int, dim: int) -> torch.Tensor:
     return x.movedim(dim, -1).unflatten(-1, (-1, m)).to(_compute_dtype(x))
 
 
-def _plan(a: torch.Tensor, n: int):
-    """For grouped magnitudes ``a`` ``[..., g, m]``: ``(pi, h, sure)``.
+def _plan(a: torch.Tensor, n: int, ax: int = -1):
+    """For grouped magnitudes ``a`` (the ``m`` members of each group along axis ``ax``): ``(pi, h, sure)``.
 
     ``pi`` are the inclusion probabilities, ``h = a / pi`` the magnitude a kept element takes
     (any value where ``a = 0``), and ``sure`` marks the element kept with certainty in the skewed
     2:M case (None for N = 1).
     """
-    total = a.sum(-1, keepdim=True)
+    total = a.sum(ax, keepdim=True)
     safe_total = torch.where(total > 0, total, 1.0)
     if n == 1:
         return a / safe_total, total.expand_as(a), None
-    top = a.amax(-1, keepdim=True)
+    top = a.amax(ax, keepdim=True)
     # with two tied maxima the float sum is at least 2*top, so ``sure`` marks one element at most
     skewed = 2 * top > total
     sure = skewed & (a == top)
     # the others summed directly (not total - top), so a tiny remainder is not rounded away
-    rest = torch.where(sure, 0.0, a).sum(-1, keepdim=True)
+    rest = torch.where(sure, 0.0, a).sum(ax, keepdim=True)
     safe_rest = torch.where(rest > 0, rest, 1.0)
     pi = torch.where(skewed, torch.where(sure, 1.0, a / safe_rest), 2 * a / safe_total)
     h = torch.where(skewed, torch.where(sure, a, rest), total / 2)
     return pi, h, sure
 
 
-def _systematic(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Keep mask with marginals ``p`` (``[..., g, m]``, each in [0, 1], integer group sum <= 2).
+def _running_sum(p: torch.Tensor, ax: int) -> torch.Tensor:
+    """``p.cumsum(ax)`` for a short axis, as adds Inductor fuses (its CPU backend calls aten's cumsum)."""
+    total, out = None, []
+    for part in p.unbind(ax):
+        total = part if total is None else total + part
+        out.append(total)
+    return torch.stack(out, ax)
+
+
+def _systematic(p: torch.Tensor, u: torch.Tensor, ax: int) -> torch.Tensor:
+    """Keep mask with marginals ``p`` (each in [0, 1], integer group sum <= 2; groups along ``ax``),
+    ``u`` one uniform per group (size 1 along ``ax``).
 
     An element is kept iff its interval ``[c_{i-1}, c_i)`` of the cumulative sum holds one of
     the points ``u, u+1, ...``. The count of points below ``c`` is ``ceil(c - u)``, monotone in
     ``c``, so the kept count telescopes to exactly the (rounded) group total, whatever the
     rounding, and an element with ``p = 0`` (equal neighbouring sums) is never kept.
     """
-    c = p.cumsum(-1)
-    end = c[..., -1:]
+    c = _running_sum(p, ax)
+    size = c.shape[ax]
+    end = c.narrow(ax, size - 1, 1)
     count = torch.round(end)  # the exact group total: 0, 1 or 2
     # the last non-zero element (and the zeros after it, which stay empty) ends exactly at
     # ``count``, so a point just below the integer cannot fall off a slightly short total
     c = torch.where(c >= end, count, torch.minimum(c, count))
     # u <= 1 - eps keeps ``2 - u`` above 1 after rounding (enough for totals up to 2)
-    u = u.to(p.dtype).clamp(0.0, 1.0 - torch.finfo(p.dtype).eps).unsqueeze(-1)
+    u = u.to(p.dtype).clamp(0.0, 1.0 - torch.finfo(p.dtype).eps)
     below = torch.ceil(c - u)
-    before = torch.nn.functional.pad(below[..., :-1], (1, 0))
+    before = torch.cat([torch.zeros_like(below.narrow(ax, 0, 1)), below.narrow(ax, 0, size - 1)], ax)
     return below > before
 
 
@@ -127,22 +138,29 @@ def mvue(x: torch.Tensor, n: int, m: int, dim: int = -1, *, u: torch.Tensor | No
     ``torch.manual_seed``).
     """
     _check(x, n, m, dim)
-    v = _grouped(x, m, dim)
+    dim = dim % x.dim()
+    # groups split ``dim`` in place: [..., groups, m, ...], so the trailing (usually contiguous)
+    # axes stay innermost and the group sums run across rows rather than along strided columns
+    v = x.unflatten(dim, (-1, m)).to(_compute_dtype(x))
+    ax = dim + 1
     if u is None:
-        u = torch.rand(v.shape[:-1], device=x.device)
-    elif tuple(u.shape) != tuple(v.shape[:-1]):
-        raise ValueError(
-            f"u must hold one uniform per group, shape {tuple(v.shape[:-1])} "
-            f"(x.movedim(dim, -1).shape[:-1] + (x.size(dim) // {m},)), got {tuple(u.shape)}"
-        )
-    a = v.abs()
-    pi, h, sure = _plan(a, n)
-    if sure is None:
-        keep = _systematic(pi, u)
+        u = torch.rand(v.shape[:ax] + (1,) + v.shape[ax + 1:], device=x.device)
     else:
-        keep = _systematic(torch.where(sure, 0.0, pi), u) | sure
+        expected = v.shape[:dim] + v.shape[ax + 1:] + (v.shape[dim],)
+        if tuple(u.shape) != tuple(expected):
+            raise ValueError(
+                f"u must hold one uniform per group, shape {tuple(expected)} "
+                f"(x.movedim(dim, -1).shape[:-1] + (x.size(dim) // {m},)), got {tuple(u.shape)}"
+            )
+        u = u.movedim(-1, dim).unsqueeze(ax)
+    a = v.abs()
+    pi, h, sure = _plan(a, n, ax)
+    if sure is None:
+        keep = _systematic(pi, u, ax)
+    else:
+        keep = _systematic(torch.where(sure, 0.0, pi), u, ax) | sure
     out = torch.where(keep, torch.sign(v) * h, 0.0)
-    return out.flatten(-2).movedim(-1, dim).to(x.dtype)
+    return out.flatten(dim, ax).to(x.dtype)
 
 
 def mvue_variance(x: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tensor:
