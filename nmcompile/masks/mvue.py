@@ -58,12 +58,15 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
-def _grouped(x: torch.Tensor, m: int, dim: int) -> torch.Tensor:
-    """``x`` as ``[..., groups, m]`` with the grouping dim last, in the compute dtype."""
-    return x.movedim(dim, -1).unflatten(-1, (-1, m)).to(_compute_dtype(x))
+def _grouped(x: torch.Tensor, m: int, dim: int) -> tuple[torch.Tensor, int, int]:
+    """``(v, dim, ax)``: ``x`` in the compute dtype with ``dim`` split in place into ``[groups, m]``
+    (group members along ``ax = dim + 1``), so the trailing (usually contiguous) axes stay
+    innermost and the group sums run across rows rather than along strided columns."""
+    dim = dim % x.dim()
+    return x.unflatten(dim, (-1, m)).to(_compute_dtype(x)), dim, dim + 1
 
 
-def _plan(a: torch.Tensor, n: int, ax: int = -1):
+def _plan(a: torch.Tensor, n: int, ax: int):
     """For grouped magnitudes ``a`` (the ``m`` members of each group along axis ``ax``): ``(pi, h, sure)``.
 
     ``pi`` are the inclusion probabilities, ``h = a / pi`` the magnitude a kept element takes
@@ -125,8 +128,9 @@ def inclusion_probabilities(x: torch.Tensor, n: int, m: int, dim: int = -1) -> t
     ``min(n, number of non-zeros in the group)``.
     """
     _check(x, n, m, dim)
-    pi, _, _ = _plan(_grouped(x, m, dim).abs(), n)
-    return pi.flatten(-2).movedim(-1, dim)
+    v, dim, ax = _grouped(x, m, dim)
+    pi, _, _ = _plan(v.abs(), n, ax)
+    return pi.flatten(dim, ax)
 
 
 def mvue(x: torch.Tensor, n: int, m: int, dim: int = -1, *, u: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,11 +142,7 @@ def mvue(x: torch.Tensor, n: int, m: int, dim: int = -1, *, u: torch.Tensor | No
     ``torch.manual_seed``).
     """
     _check(x, n, m, dim)
-    dim = dim % x.dim()
-    # groups split ``dim`` in place: [..., groups, m, ...], so the trailing (usually contiguous)
-    # axes stay innermost and the group sums run across rows rather than along strided columns
-    v = x.unflatten(dim, (-1, m)).to(_compute_dtype(x))
-    ax = dim + 1
+    v, dim, ax = _grouped(x, m, dim)
     if u is None:
         u = torch.rand(v.shape[:ax] + (1,) + v.shape[ax + 1:], device=x.device)
     else:
@@ -170,7 +170,8 @@ def mvue_variance(x: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tenso
     ``x``'s dtype otherwise.
     """
     _check(x, n, m, dim)
-    a = _grouped(x, m, dim).abs()
-    _, h, _ = _plan(a, n)
+    v, dim, ax = _grouped(x, m, dim)
+    a = v.abs()
+    _, h, _ = _plan(a, n, ax)
     # a^2 / pi - a^2 = a (h - a); entries with a = 0 add nothing
-    return (a * (h - a)).sum(-1)
+    return (a * (h - a)).sum(ax).movedim(dim, -1)

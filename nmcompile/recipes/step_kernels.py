@@ -96,8 +96,8 @@ def change_sum(v, g, z_option: int, floor: float):
 def frozen_update(p, g, exp_avg, exp_avg_sq, frozen, *, lr, beta1, beta2, bias1, bias2, eps) -> None:
     """:func:`frozen_update_eager`, fused where the tensors allow it (all in place)."""
     scalars = tuple(float(x) for x in (lr, beta1, beta2, bias1, bias2, eps))
-    flat = _flat(p, g, exp_avg, exp_avg_sq, frozen)
-    if flat is None or p.dtype != exp_avg.dtype:
+    flat = _flat(p, g, exp_avg, exp_avg_sq, frozen) if p.dtype == exp_avg.dtype else None
+    if flat is None:
         frozen_update_eager(p, g, exp_avg, exp_avg_sq, frozen, *scalars)
         return
     _run_fused(_compiled_frozen_update, frozen_update_eager, *flat, *scalars)
