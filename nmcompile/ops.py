@@ -142,11 +142,12 @@ def _backward_mask_weight(kept: Tensor, perm: Tensor, n: int, m: int, dim: int) 
     ``F`` also keeps; then ``B`` is put back in the original row order. Since ``W * F`` is zero
     wherever ``F`` drops, pruning it along the output axis gives ``W * B`` directly.
     """
-    out_axis = 1 if dim == 0 else 0
-    pruned = masks.prune(kept.index_select(out_axis, perm), n, m, out_axis)
-    # written back by rows (an index_copy) rather than gathered by the inverse order: a gather
-    # would make Inductor recompute the prune at indirect rows (20x slower on CPU)
-    return torch.index_copy(torch.empty_like(kept), out_axis, perm, pruned)
+    if dim != 0:  # out is axis 0: each output row gathers its group's rows (one pass)
+        return masks.prune_row_groups(kept, perm, n, m)
+    # out is axis 1: gathering columns is slow, so prune a column-permuted copy and write its
+    # columns back (an index_copy: a gather by the inverse order would recompute the prune)
+    pruned = masks.prune(kept.index_select(1, perm), n, m, 1)
+    return torch.index_copy(torch.empty_like(kept), 1, perm, pruned)
 
 
 backward_mask_weight = torch.library.custom_op(

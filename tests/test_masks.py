@@ -116,3 +116,35 @@ def test_groups_along_a_leading_dim_match_reference(n, m, shape, dim):
         torch.testing.assert_close(torch.compile(masks.prune)(w, n, m, dim), w * expected)
         torch.testing.assert_close(torch.compile(masks.keep_mask)(w, n, m, dim), expected)
     assert (expected.movedim(dim, -1).unflatten(-1, (-1, m)).sum(-1) == n).all()
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (3, 8)], ids=str)
+@pytest.mark.parametrize("shape", [(32, 24), (16, 8, 3, 3), (64, 1024)], ids=str)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_prune_row_groups_is_prune_of_the_reordered_rows(n, m, shape, compiled):
+    """Pruning along axis 0 in groups of rows taken in ``order`` = pruning ``w[order]``, rows put back."""
+    torch.manual_seed(0)
+    w = torch.randn(shape)
+    w[:4].zero_()  # all-zero groups, if the order groups these rows together
+    w[4:8] = w[4:8].round()  # ties across rows
+    w[8] = w[9]  # exact ties between two rows
+    order = torch.randperm(shape[0])
+    expected = torch.empty_like(w)
+    expected[order] = w[order] * reference.topn_mask(w[order], n, m, 0)
+    fn = torch.compile(masks.prune_row_groups, fullgraph=True) if compiled else masks.prune_row_groups
+    torch.testing.assert_close(fn(w, order, n, m), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dim", [1, 0], ids=["out-axis-0", "out-axis-1"])
+def test_bi_mask_backward_weight_matches_reference_at_either_out_axis(dim):
+    from nmcompile import ops
+
+    torch.manual_seed(0)
+    w = torch.randn(32, 24)
+    w[:, :4] = w[:, :4].round()  # ties
+    w_out_rows = w if dim == 1 else w.t()  # the reference takes [out, in]
+    perm = torch.randperm(w_out_rows.shape[0])
+    expected = w_out_rows * reference.bi_mask_backward_mask(w_out_rows, perm, 2, 4)
+    kept = masks.prune(w, 2, 4, dim)
+    got = ops._backward_mask_weight(kept, perm, 2, 4, dim)
+    torch.testing.assert_close(got if dim == 1 else got.t(), expected, rtol=0, atol=0)

@@ -10,11 +10,11 @@ Every function groups ``m`` consecutive elements along ``dim`` (see :mod:`nmcomp
 """
 
 from .mvue import inclusion_probabilities, mvue, mvue_variance
-from .topn import STORED_MASK_DTYPE, apply_mask, count_violations, keep_mask, prune, soft_threshold, soft_threshold_scale, store_mask
+from .topn import STORED_MASK_DTYPE, apply_mask, count_violations, keep_mask, prune, prune_row_groups, soft_threshold, soft_threshold_scale, store_mask
 from .transposable import is_transposable, tile_counts, transposable_mask
 
 __all__ = [
-    "keep_mask", "prune", "store_mask", "apply_mask", "STORED_MASK_DTYPE", "soft_threshold", "soft_threshold_scale", "count_violations",
+    "keep_mask", "prune", "prune_row_groups", "store_mask", "apply_mask", "STORED_MASK_DTYPE", "soft_threshold", "soft_threshold_scale", "count_violations",
     "mvue", "mvue_variance", "inclusion_probabilities",
     "transposable_mask", "is_transposable", "tile_counts",
 ]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["keep_mask", "prune", "soft_threshold", "soft_threshold_scale", "count_violations"]
+__all__ = ["keep_mask", "prune", "prune_row_groups", "soft_threshold", "soft_threshold_scale", "count_violations"]
 
 
 _BITS = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.float16: (torch.int16, 0x7FFF),
@@ -205,6 +205,25 @@ def prune(w: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tensor:
     else:
         out = torch.where(_rank_keep(v, n, m), v, torch.zeros((), dtype=v.dtype, device=v.device))
     return out.movedim(-1, dim)
+
+
+def prune_row_groups(w: torch.Tensor, order: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """``w`` pruned n:m along axis 0, where the groups are runs of m rows in the order ``order``.
+
+    Same result as pruning ``w[order]`` along axis 0 and putting the rows back (ties: the row
+    earlier in ``order``), computed as a gather: each row reads the rows of its group and keeps
+    itself or not, so Inductor writes every output row once, in place, without a permuted copy.
+    """
+    rows = order.shape[0]
+    position = torch.empty_like(order).index_put((order,), torch.arange(rows, device=order.device))
+    members = order.view(-1, m)[position // m]  # [rows, m]: each row's group, in ``order``
+    slot = (position % m).view(-1, *([1] * (w.dim() - 1)))  # each row's place in its group
+    mine = _magnitude(w)
+    beaten = []
+    for j in range(m):
+        other = _magnitude(w.index_select(0, members[:, j]))
+        beaten.append((other > mine) | ((other == mine) & (slot > j)))  # j == slot: itself, never
+    return torch.where(_at_least(beaten, n), torch.zeros((), dtype=w.dtype, device=w.device), w)
 
 
 def soft_threshold(w: torch.Tensor, n: int, m: int, dim: int = -1, scale: torch.Tensor | None = None):
