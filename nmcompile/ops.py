@@ -5,15 +5,15 @@ Each op exists for its backward rule; its forward is the plain aten math of :mod
 weight instead of running as an opaque kernel. Under ``inner="aot_eager"`` or in eager mode the
 ops run their bodies, which are the same functions.
 
-=================================  ==============================  ==================================
-op                                 forward                          gradient w.r.t. ``w``
-=================================  ==============================  ==================================
-``prune(w, n, m, dim)``            top-n of every m                 ``g`` (straight-through)
-``prune_decay(w, n, m, dim, lam)`` top-n of every m                 ``g + lam * (w - out)``
-                                                                    (= ``g + lam * (1 - mask) * w``)
-``soft_threshold(w, beta, ...)``   ``beta * S(w)``                   ``g`` (straight-through, no beta)
-``backward_mask_weight(kept, perm,..)`` ``W*B`` from ``W*F`` (Bi-Mask) none (used on detached weights)
-=================================  ==============================  ==================================
+Mask ops (forward; gradient with respect to ``w``):
+
+- ``prune(w, n, m, dim)``: the top-n of every m; ``g`` (straight-through).
+- ``prune_decay(w, n, m, dim, lam)``: the same; ``g + lam * (w - out)`` (= ``g + lam * (1 - mask) * w``).
+- ``prune_when(w, on, n, m, dim, lam)``: ``prune(w)`` where the 0-d bool ``on`` holds, else ``w``
+  itself, in one pass; ``g + lam * (w - out)``, which is ``g`` while ``on`` is off.
+- ``soft_threshold(w, beta, n, m, dim)``: ``beta * S(w)``; ``g`` (straight-through, no beta).
+- ``backward_mask_weight(kept, perm, n, m, dim)``: Bi-Mask's ``W * B`` from ``kept = W * F``; none
+  (used on detached weights).
 
 Two ops replace the GEMM itself where a recipe changes its backward (the weight gradient, the
 input gradient's weight, or FP8 rounding); their forwards are the plain aten GEMMs:
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from . import masks
 
-__all__ = ["prune", "prune_decay", "soft_threshold", "backward_mask_weight", "linear", "conv", "fake_fp8", "DECOMPOSITIONS"]
+__all__ = ["prune", "prune_decay", "prune_when", "soft_threshold", "backward_mask_weight", "linear", "conv", "fake_fp8", "DECOMPOSITIONS"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -54,6 +54,10 @@ def _prune_decay(w: Tensor, n: int, m: int, dim: int, decay: float) -> Tensor:
     return masks.prune(w, n, m, dim).contiguous()
 
 
+def _prune_when(w: Tensor, on: Tensor, n: int, m: int, dim: int, decay: float) -> Tensor:
+    return masks.prune(w, n, m, dim, on=on).contiguous()
+
+
 def _soft_threshold(w: Tensor, beta: Tensor, n: int, m: int, dim: int) -> Tensor:
     return masks.soft_threshold(w, n, m, dim, scale=beta).contiguous()
 
@@ -61,6 +65,7 @@ def _soft_threshold(w: Tensor, beta: Tensor, n: int, m: int, dim: int) -> Tensor
 prune = torch.library.custom_op("nmsparse::prune", _prune, mutates_args=())
 prune_decay = torch.library.custom_op("nmsparse::prune_decay", _prune_decay, mutates_args=())
 soft_threshold = torch.library.custom_op("nmsparse::soft_threshold", _soft_threshold, mutates_args=())
+prune_when = torch.library.custom_op("nmsparse::prune_when", _prune_when, mutates_args=())
 
 
 @prune.register_fake
@@ -75,6 +80,11 @@ def _(w, n, m, dim, decay):
 
 @soft_threshold.register_fake
 def _(w, beta, n, m, dim):
+    return w.new_empty(w.shape)  # outputs are contiguous
+
+
+@prune_when.register_fake
+def _(w, on, n, m, dim, decay):
     return w.new_empty(w.shape)  # outputs are contiguous
 
 
@@ -95,6 +105,20 @@ def _decay_backward(ctx, grad):
     return grad - ctx.decay * (out - w), None, None, None, None
 
 
+def _when_setup(ctx, inputs, output):
+    w, _, _, _, _, decay = inputs
+    ctx.decay = decay
+    if decay:
+        ctx.save_for_backward(w, output)
+
+
+def _when_backward(ctx, grad):
+    if not ctx.decay:
+        return grad, None, None, None, None, None
+    w, out = ctx.saved_tensors  # out == w while pruning is off: the term is then zero
+    return grad - ctx.decay * (out - w), None, None, None, None, None
+
+
 def _soft_threshold_backward(ctx, grad):
     return grad, None, None, None, None
 
@@ -102,6 +126,7 @@ def _soft_threshold_backward(ctx, grad):
 prune.register_autograd(_straight_through)
 prune_decay.register_autograd(_decay_backward, setup_context=_decay_setup)
 soft_threshold.register_autograd(_soft_threshold_backward)
+prune_when.register_autograd(_when_backward, setup_context=_when_setup)
 
 def fake_fp8(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` rounded through the FP8 format ``dtype`` with a per-tensor scale ``max / amax(t)``."""
@@ -257,6 +282,7 @@ DECOMPOSITIONS = {
     torch.ops.nmsparse.prune.default: _prune,
     torch.ops.nmsparse.prune_decay.default: _prune_decay,
     torch.ops.nmsparse.soft_threshold.default: _soft_threshold,
+    torch.ops.nmsparse.prune_when.default: _prune_when,
     torch.ops.nmsparse.backward_mask_weight.default: _backward_mask_weight,
     torch.ops.nmsparse.linear.default: _linear,
     torch.ops.nmsparse.conv.default: _conv,

@@ -148,3 +148,25 @@ def test_bi_mask_backward_weight_matches_reference_at_either_out_axis(dim):
     kept = masks.prune(w, 2, 4, dim)
     got = ops._backward_mask_weight(kept, perm, 2, 4, dim)
     torch.testing.assert_close(got if dim == 1 else got.t(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 8)], ids=str)
+@pytest.mark.parametrize("shape,dim", [((16, 64), 1), ((16, 8), 1), ((32, 48), 0)], ids=str)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_prune_when_switches_between_prune_and_identity(n, m, shape, dim, compiled):
+    """``prune_when``: the N:M prune while ``on`` holds, the weight itself otherwise; its gradient is
+    straight-through plus ``decay * (w - out)``, which vanishes while it is off."""
+    torch.manual_seed(0)
+    decay = 0.25
+    w = torch.randn(shape)
+    w.narrow(dim, 0, m).round_()  # ties
+    g = torch.randn(shape)
+    prune = torch.compile(masks.prune, fullgraph=True) if compiled else masks.prune  # the traced math
+    for on in (True, False):
+        expected = w * reference.topn_mask(w, n, m, dim) if on else w
+        torch.testing.assert_close(prune(w, n, m, dim, on=torch.tensor(on)), expected, rtol=0, atol=0)
+        wr = w.clone().requires_grad_()
+        out = torch.ops.nmsparse.prune_when(wr, torch.tensor(on), n, m, dim, decay)
+        out.backward(g)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(wr.grad, g + decay * (w - expected))

@@ -111,6 +111,8 @@ def test_any_n_m_trains_through_backend(name, pattern):
         (torch.ops.nmsparse.prune.default, lambda w: (w, 2, 4, 1)),
         (torch.ops.nmsparse.prune_decay.default, lambda w: (w, 2, 4, 1, 0.1)),
         (torch.ops.nmsparse.soft_threshold.default, lambda w: (w, torch.tensor(1.5), 2, 4, 1)),
+        (torch.ops.nmsparse.prune_when.default, lambda w: (w, torch.tensor(True), 2, 4, 1, 0.1)),
+        (torch.ops.nmsparse.prune_when.default, lambda w: (w, torch.tensor(False), 2, 4, 1, 0.0)),
     ],
 )
 def test_custom_ops_pass_opcheck(op, args):

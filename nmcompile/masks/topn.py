@@ -124,13 +124,17 @@ def _keep_n_4(w: torch.Tensor, n: int) -> torch.Tensor:
     return _join_2_4(w, middle, lambda g: _rank_keep(g, n, 4))
 
 
-def _prune_n_4(w: torch.Tensor, n: int) -> torch.Tensor:
+def _gate(dropped: torch.Tensor, on: torch.Tensor | None) -> torch.Tensor:
+    return dropped if on is None else dropped & on
+
+
+def _prune_n_4(w: torch.Tensor, n: int, on: torch.Tensor | None) -> torch.Tensor:
     zero = torch.zeros((), dtype=w.dtype, device=w.device)
 
     def middle(neighbour, odd, high):  # the select inside each piece keeps the cat free for Inductor
-        return torch.where(_dropped_n_4(neighbour, odd, high, n), zero, neighbour(0))
+        return torch.where(_gate(_dropped_n_4(neighbour, odd, high, n), on), zero, neighbour(0))
 
-    return _join_2_4(w, middle, lambda g: torch.where(_rank_keep(g, n, 4), g, zero))
+    return _join_2_4(w, middle, lambda g: torch.where(_gate(~_rank_keep(g, n, 4), on), zero, g))
 
 
 def _soft_threshold_2_4(w: torch.Tensor, scale) -> torch.Tensor:
@@ -192,18 +196,22 @@ def keep_mask(w: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tensor:
     return keep.movedim(-1, dim)
 
 
-def prune(w: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tensor:
-    """``w`` with all but the top-``n`` magnitudes of every ``m`` set to zero."""
+def prune(w: torch.Tensor, n: int, m: int, dim: int = -1, on: torch.Tensor | None = None) -> torch.Tensor:
+    """``w`` with all but the top-``n`` magnitudes of every ``m`` set to zero.
+
+    ``on``: a 0-d bool tensor; where it is False, ``w`` is returned unchanged. The switch sits in
+    the same pass as the mask (a recipe that turns pruning on at run time costs no extra pass).
+    """
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
     v = _across(w, m, dim)
     if v is not None and n < m:
-        zero = torch.zeros((), dtype=w.dtype, device=w.device)
         dropped = _dropped_across(v, n, m)
-        return torch.stack([torch.where(d, zero, v.select(-2, j)) for j, d in enumerate(dropped)], -2).reshape(w.shape)
+        return torch.stack([torch.where(_gate(d, on), zero, v.select(-2, j)) for j, d in enumerate(dropped)], -2).reshape(w.shape)
     v = w.movedim(dim, -1)
     if m == 4 and _fast_2_4(v):
-        out = _prune_n_4(v, n)
+        out = _prune_n_4(v, n, on)
     else:
-        out = torch.where(_rank_keep(v, n, m), v, torch.zeros((), dtype=v.dtype, device=v.device))
+        out = torch.where(_gate(~_rank_keep(v, n, m), on), zero, v)
     return out.movedim(-1, dim)
 
 

@@ -88,14 +88,9 @@ class STEP(Recipe):
         }
 
     def project(self, weight, step, phase, switch_step, z, v, dim, frame=None):
-        if self.decay:
-            # the SR-STE term (added by prune_decay's backward) belongs to phase 2 only: in phase 1
-            # its input is detached, so the term computed there never reaches the dense weight
-            live = torch.where(phase, weight, weight.detach())
-            sparse = torch.ops.nmsparse.prune_decay(live, self.n, self.m, dim, float(self.decay))
-        else:
-            sparse = torch.ops.nmsparse.prune(weight, self.n, self.m, dim)
-        return torch.where(phase, sparse, weight)
+        # dense in phase 1, the hard mask in phase 2, in one pass; the SR-STE term of the backward
+        # is zero in phase 1, where the output is the weight itself
+        return torch.ops.nmsparse.prune_when(weight, phase, self.n, self.m, dim, float(self.decay))
 
     # ---- optimizer time (see nmcompile.optimizer_hook) ----
 
