@@ -3,10 +3,13 @@
 A weight's recipe is recorded on its ``nn.Parameter`` (attribute ``_nmcompile``, a frozen
 :class:`WeightAnnotation`). The recipe's state lives in buffers of the owning module named
 ``<param>_nm_<key>`` (e.g. ``fc1.weight_nm_beta``), so ``state_dict()`` saves and restores it.
+``copy.deepcopy`` of a model keeps both: ``nn.Parameter``'s own deep copy drops attributes, so the
+annotation, reached through the owning module's load hooks, records itself on the copied parameters.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Iterator
@@ -38,6 +41,24 @@ class WeightAnnotation:
     clock: StepMirror = field(default_factory=StepMirror, compare=False, repr=False)
     trace: Trace = field(default_factory=Trace, compare=False, repr=False)  # diagnostics
     hooks: list = field(default_factory=list, compare=False, repr=False)  # load_state_dict hook handles
+
+    def __deepcopy__(self, memo) -> WeightAnnotation:
+        """A copy for a copied model (reached through the module's load hooks, which deep-copy with it).
+
+        The parameters carrying this record were copied first (``Module.__dict__`` holds
+        ``_parameters`` before the hooks); ``memo`` lists the originals it copied, and each copy of
+        one of ours gets the new record.
+        """
+        twin = WeightAnnotation(self.recipe, self.dim)
+        memo[id(self)] = twin  # before its fields: the hook handles lead back here
+        for name in ("clock", "trace", "hooks"):
+            object.__setattr__(twin, name, copy.deepcopy(getattr(self, name), memo))
+        for original in memo.get(id(memo), ()):  # deepcopy's list of the objects it copied
+            if isinstance(original, nn.Parameter) and getattr(original, ATTR, None) is self:
+                param_copy = memo.get(id(original))
+                if isinstance(param_copy, nn.Parameter) and annotation_of(param_copy) is None:
+                    setattr(param_copy, ATTR, twin)
+        return twin
 
     def detach_hooks(self) -> None:
         for handle in self.hooks:

@@ -28,6 +28,7 @@ Every transition is asserted to happen inside the run, where the stop points exp
 schedule that stopped firing (or fired at another step) fails here.
 """
 
+import copy
 import io
 
 import pytest
@@ -37,6 +38,7 @@ from torch import nn
 
 import nmcompile
 from nmcompile import recipes
+from nmcompile.annotate import annotation_of
 
 T = 12  # optimizer steps of every run
 LR = 1e-2
@@ -271,6 +273,46 @@ def test_annotations_survive_loading_with_assign():
     nmcompile.annotate(saved, "transposable:2:4,every=3")
     model.load_state_dict(saved.state_dict(), assign=True)
     assert_equal_dicts(effective(model), effective(saved), "effective weights after load_state_dict(assign=True)")
+
+
+@pytest.mark.parametrize("route", ["deepcopy", "pickle then deepcopy"])
+def test_a_copied_model_keeps_its_recipes_and_trains_on_its_own(route):
+    """copy.deepcopy (an EMA or teacher model) keeps each weight's recipe and state; the copy then
+    continues exactly like the original, and training one leaves the other untouched."""
+    case = Case("step:2:4,total_steps=12,t_min=0,t_max=0.25", (), None)
+    model, compiled, opt, _ = build(case, 0, "aot_eager")
+    for step in range(4):  # past the switch at step 3
+        train_step(compiled, opt, step)
+    if route == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = copy.deepcopy(torch.load(buf, weights_only=False))
+    for name, p in model.named_parameters():
+        q = twin.get_parameter(name)
+        ann, twin_ann = annotation_of(p), annotation_of(q)
+        assert (twin_ann is None) == (ann is None), name
+        assert ann is None or (twin_ann == ann and twin_ann is not ann), name
+    assert bool(twin[0].weight_nm_phase) and int(twin[0].weight_nm_switch_step) == 3
+    assert_equal_dicts(effective(twin), effective(model), "effective weights of the copy")
+
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=0.01)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its step tensors would be shared
+    nmcompile.hook_optimizer(twin, twin_opt)
+    twin_compiled = torch.compile(twin, backend="nmsparse", options={"inner": "aot_eager"})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(4, 7):
+        assert train_step(twin_compiled, twin_opt, step) == train_step(compiled, opt, step)
+    assert_equal_dicts(twin.state_dict(), model.state_dict(), "state after training both")
+    for step in range(7, 9):
+        train_step(twin_compiled, twin_opt, step)
+    assert int(model[0].weight_nm_step) == 7 and int(twin[0].weight_nm_step) == 9
+    assert not torch.equal(model[0].weight, twin[0].weight)
+    model.load_state_dict(twin.state_dict())  # the original's own load hooks still work
+    assert_equal_dicts(model.state_dict(), twin.state_dict(), "original after loading the copy")
+    assert not torch.equal(model[0].weight, before["0.weight"])
 
 
 def test_resumed_framed_recipe_compiles_for_its_current_frame():
