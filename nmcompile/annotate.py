@@ -93,6 +93,7 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
     if old is not None and old.recipe == recipe and old.dim == dim:
         if all(name in module._buffers for name in old.buffer_names(param_name)):
             return old
+    old = old or _hooked_annotation(module, param_name)  # the record of a parameter object since replaced
     if old is not None:
         old.detach_hooks()
         for name in old.buffer_names(param_name):
@@ -110,6 +111,15 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
     if hasattr(param, DEPLOY_ATTR):  # a finalized weight that trains again
         delattr(param, DEPLOY_ATTR)
     return ann
+
+
+def _hooked_annotation(module: nn.Module, param_name: str) -> WeightAnnotation | None:
+    """The annotation that ``module``'s nmcompile load hook keeps for ``param_name``, if any."""
+    for wrapped in module._load_state_dict_pre_hooks.values():
+        hook = getattr(wrapped, "hook", None)
+        if isinstance(hook, functools.partial) and hook.func is _before_load and hook.args[0] == param_name:
+            return hook.args[1]
+    return None
 
 
 def _before_load(pname: str, ann: WeightAnnotation, module, state_dict, prefix, local_metadata, strict,

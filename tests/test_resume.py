@@ -30,6 +30,7 @@ schedule that stopped firing (or fired at another step) fails here.
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -313,6 +314,20 @@ def test_a_copied_model_keeps_its_recipes_and_trains_on_its_own(route):
     model.load_state_dict(twin.state_dict())  # the original's own load hooks still work
     assert_equal_dicts(model.state_dict(), twin.state_dict(), "original after loading the copy")
     assert not torch.equal(model[0].weight, before["0.weight"])
+
+
+def test_reannotating_a_replaced_parameter_leaves_no_stale_state_or_hooks():
+    model = net(0)
+    nmcompile.annotate(model, "s_ste:2:4")
+    model[0].weight = nn.Parameter(torch.randn(64, 32))  # a new parameter object, without the record
+    nmcompile.annotate(model, "sr_ste:2:4")  # another recipe, without state
+    assert not any("_nm_" in key for key in model[0].state_dict())  # s_ste's beta is gone
+    assert len(model[0]._load_state_dict_pre_hooks) == len(model[0]._load_state_dict_post_hooks) == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_state_dict(model.state_dict())
+    assert not [w for w in caught if "nmcompile" in str(w.message)]
+    assert annotation_of(model[0].weight).recipe == recipes.parse("sr_ste:2:4")
 
 
 def test_resumed_framed_recipe_compiles_for_its_current_frame():
