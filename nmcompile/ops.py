@@ -93,30 +93,19 @@ def _straight_through(ctx, grad):
 
 
 def _decay_setup(ctx, inputs, output):
-    w, _, _, _, decay = inputs
-    ctx.decay = decay
-    ctx.save_for_backward(w, output)
-
-
-def _decay_backward(ctx, grad):
-    w, out = ctx.saved_tensors
-    # g - decay * (out - w) equals g + decay * (w - out) exactly; written as a subtraction so that
-    # Inductor does not fold the term into the weight-gradient addmm (which costs an extra copy)
-    return grad - ctx.decay * (out - w), None, None, None, None
-
-
-def _when_setup(ctx, inputs, output):
-    w, _, _, _, _, decay = inputs
-    ctx.decay = decay
+    w, decay = inputs[0], inputs[-1]  # prune_decay(w, n, m, dim, decay), prune_when(w, on, n, m, dim, decay)
+    ctx.decay, ctx.n_inputs = decay, len(inputs)
     if decay:
         ctx.save_for_backward(w, output)
 
 
-def _when_backward(ctx, grad):
-    if not ctx.decay:
-        return grad, None, None, None, None, None
-    w, out = ctx.saved_tensors  # out == w while pruning is off: the term is then zero
-    return grad - ctx.decay * (out - w), None, None, None, None, None
+def _decay_backward(ctx, grad):
+    if ctx.decay:
+        w, out = ctx.saved_tensors  # (prune_when while off: out == w, and the term is zero)
+        # g - decay * (out - w) equals g + decay * (w - out) exactly; written as a subtraction so that
+        # Inductor does not fold the term into the weight-gradient addmm (which costs an extra copy)
+        grad = grad - ctx.decay * (out - w)
+    return (grad,) + (None,) * (ctx.n_inputs - 1)
 
 
 def _soft_threshold_backward(ctx, grad):
@@ -126,7 +115,7 @@ def _soft_threshold_backward(ctx, grad):
 prune.register_autograd(_straight_through)
 prune_decay.register_autograd(_decay_backward, setup_context=_decay_setup)
 soft_threshold.register_autograd(_soft_threshold_backward)
-prune_when.register_autograd(_when_backward, setup_context=_when_setup)
+prune_when.register_autograd(_decay_backward, setup_context=_decay_setup)
 
 def fake_fp8(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` rounded through the FP8 format ``dtype`` with a per-tensor scale ``max / amax(t)``."""
