@@ -20,7 +20,7 @@ from torch import nn
 
 from .clock import StepMirror
 from .diagnostics import Trace
-from .pattern import reduction_dim
+from .pattern import NMPattern, reduction_dim
 from .plan import Plan
 from .recipes.base import Recipe
 from .sharding import fsdp_modules, unsharded
@@ -53,20 +53,35 @@ class WeightAnnotation:
         memo[id(self)] = twin  # before its fields: the hook handles lead back here
         for name in ("clock", "trace", "hooks"):
             object.__setattr__(twin, name, copy.deepcopy(getattr(self, name), memo))
-        for original in memo.get(id(memo), ()):  # deepcopy's list of the objects it copied
-            if isinstance(original, nn.Parameter) and getattr(original, ATTR, None) is self:
-                param_copy = memo.get(id(original))
-                if isinstance(param_copy, nn.Parameter) and annotation_of(param_copy) is None:
-                    setattr(param_copy, ATTR, twin)
+        mark_copies(memo, ATTR, self, twin)
         return twin
 
     def detach_hooks(self) -> None:
-        for handle in self.hooks:
-            handle.remove()
-        self.hooks.clear()
+        detach(self.hooks)
 
     def buffer_names(self, param_name: str) -> tuple[str, ...]:
         return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)
+
+
+def mark_copies(memo: dict, attr: str, record, twin) -> None:
+    """During ``copy.deepcopy``: set ``attr`` to ``twin`` on the copy of every parameter whose
+    ``attr`` is ``record`` (``nn.Parameter``'s own deep copy drops attributes).
+
+    The parameters were copied before the module hooks that lead here (``Module.__dict__`` holds
+    ``_parameters`` first), and ``memo[id(memo)]`` lists the originals deepcopy has copied.
+    """
+    for original in memo.get(id(memo), ()):
+        if isinstance(original, nn.Parameter) and getattr(original, attr, None) is record:
+            param_copy = memo.get(id(original))
+            if isinstance(param_copy, nn.Parameter) and not hasattr(param_copy, attr):
+                setattr(param_copy, attr, twin)
+
+
+def detach(handles: list) -> None:
+    """Remove the hooks behind ``handles`` and forget them."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def annotation_of(param: torch.Tensor) -> WeightAnnotation | None:
@@ -109,6 +124,7 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
     ann.hooks.append(module.register_load_state_dict_pre_hook(functools.partial(_before_load, param_name, ann)))
     ann.hooks.append(module.register_load_state_dict_post_hook(functools.partial(_after_load, param_name, ann)))
     if hasattr(param, DEPLOY_ATTR):  # a finalized weight that trains again
+        detach(getattr(param, DEPLOY_ATTR).hooks)
         delattr(param, DEPLOY_ATTR)
     return ann
 
@@ -212,7 +228,7 @@ def _owners(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, nn.Module, 
         yield (f"{mname}.{pname}" if mname else pname), places
 
 
-def _skip_reason(places, recipe: Recipe) -> tuple[str | None, int | None]:
+def _skip_reason(places, recipe: Recipe | NMPattern) -> tuple[str | None, int | None]:
     mname, module, pname = places[0]
     param = module._parameters[pname]
     embedding = [m for m, mod, _ in places if isinstance(mod, (nn.Embedding, nn.EmbeddingBag))]

@@ -10,44 +10,101 @@ backend can rewrite its GEMMs to sparse kernels.
 
 from __future__ import annotations
 
+import copy
+import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from . import masks
-from .annotate import ATTR, DEPLOY_ATTR, _owners, annotation_of
+from .annotate import ATTR, DEPLOY_ATTR, _owners, _skip_reason, annotation_of, mark_copies
 from .inspection import _effective
 from .pattern import NMPattern
+from .sharding import full
 
 __all__ = ["finalize", "FinalizeReport", "Deployed", "DEPLOY_ATTR", "deployed_of", "deploy_report"]
 
 
-
 @dataclass(frozen=True)
 class Deployed:
-    """A finalized weight: N:M along ``dim``, trained with ``recipe``."""
+    """A finalized weight: N:M along ``dim``, trained with ``recipe``.
+
+    ``recipe`` is ``""`` for a weight recorded by ``finalize(model, pattern=...)`` from a loaded
+    checkpoint. The owning module keeps the record in a load hook, so that it stays through
+    ``load_state_dict(assign=True)`` and ``copy.deepcopy``.
+    """
 
     pattern: NMPattern
     dim: int
     recipe: str
     change: float = 0.0  # relative L2 change of the forward weight that finalize(force=True) made
+    hooks: list = field(default_factory=list, compare=False, repr=False)  # the owner's load hook handle
+
+    def __deepcopy__(self, memo) -> Deployed:
+        """A copy for a copied model, put on the copied parameters (see ``annotate.mark_copies``)."""
+        twin = Deployed(self.pattern, self.dim, self.recipe, self.change)
+        memo[id(self)] = twin
+        object.__setattr__(twin, "hooks", copy.deepcopy(self.hooks, memo))
+        mark_copies(memo, DEPLOY_ATTR, self, twin)
+        return twin
+
+    def describe(self) -> str:
+        how = f"trained with {self.recipe}" if self.recipe else "loaded N:M"
+        changed = f", changed by {self.change:.3g} (forced)" if self.change else ""
+        return f"{self.pattern} along dim {self.dim} ({how}){changed}"
 
 
 def deployed_of(param: torch.Tensor) -> Deployed | None:
     return getattr(param, DEPLOY_ATTR, None)
 
 
+def _record(module: nn.Module, pname: str, record: Deployed) -> None:
+    """Mark ``module.<pname>`` deployed, and keep the mark on the parameter objects that
+    ``load_state_dict(assign=True)`` puts in its place."""
+    setattr(module._parameters[pname], DEPLOY_ATTR, record)
+    record.hooks.append(module.register_load_state_dict_post_hook(functools.partial(_after_load, pname, record)))
+
+
+def _after_load(pname: str, record: Deployed, module, incompatible_keys) -> None:
+    param = module._parameters.get(pname)
+    if param is not None and deployed_of(param) is None and annotation_of(param) is None:
+        setattr(param, DEPLOY_ATTR, record)
+
+
 class FinalizeReport(dict):
-    """``{parameter name: Deployed}`` of every finalized weight."""
+    """``{parameter name: Deployed}`` of every finalized weight; ``dense``: ``{name: why}`` of the
+    weights ``finalize(model, pattern=...)`` looked at and left dense."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense: dict[str, str] = {}
 
     def __str__(self) -> str:
         lines = [f"nmcompile.finalize: {len(self)} weights are N:M"]
-        for name, d in self.items():
-            changed = f", changed by {d.change:.3g} (forced)" if d.change else ""
-            lines.append(f"  {name}: {d.pattern} along dim {d.dim} (trained with {d.recipe}){changed}")
+        lines += [f"  {name}: {d.describe()}" for name, d in self.items()]
+        lines += [f"  - {name}: dense, {why}" for name, why in self.dense.items()]
         return "\n".join(lines)
+
+
+def _loaded(model: nn.Module, pattern: NMPattern, report: FinalizeReport) -> list:
+    """``(name, places, Deployed)`` of each plain weight that is already ``pattern`` along its
+    reduction dimension; the others go to ``report.dense`` with the reason."""
+    found = []
+    for name, places in _owners(model):
+        param = places[0][1]._parameters[places[0][2]]
+        if param.dim() < 2 or annotation_of(param) is not None or deployed_of(param) is not None:
+            continue  # biases and norms never take a pattern
+        reason, dim = _skip_reason(places, pattern)
+        if reason is None:
+            bad, total = masks.count_violations(full(param.detach()), pattern.n, pattern.m, dim)
+            if not bad:
+                found.append((name, places, Deployed(pattern, dim, "")))
+                continue
+            reason = f"{bad}/{total} groups along dim {dim} keep more than {pattern.n} of {pattern.m}"
+        report.dense[name] = reason
+    return found
 
 
 def _not_nm_hint(recipe) -> str:
@@ -61,7 +118,7 @@ def _not_nm_hint(recipe) -> str:
     return "the forward weight is not N:M"
 
 
-def finalize(model: nn.Module, *, force: bool = False) -> FinalizeReport:
+def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str | None = None) -> FinalizeReport:
     """Bake every annotated weight's effective weight into its parameter and drop training state.
 
     Idempotent: calling it on a finalized model changes nothing and returns the same report.
@@ -73,6 +130,10 @@ def finalize(model: nn.Module, *, force: bool = False) -> FinalizeReport:
             SDGF before its last frame), prune it to N:M anyway; that changes the function, and the
             relative change is warned about and recorded in the report. Without it, such a model
             is refused and left untouched.
+        pattern: for a model that a finalized checkpoint was loaded into (``load_state_dict`` into
+            a freshly built model, e.g. in a serving process), ``"2:4"``: every plain weight of a
+            supported layer that is already N:M along its reduction dimension is recorded as
+            deployed, unchanged; the others stay dense, listed with the reason in ``report.dense``.
 
     Raises:
         ValueError: nothing in ``model`` is annotated or finalized, or a layer is not N:M and
@@ -80,6 +141,8 @@ def finalize(model: nn.Module, *, force: bool = False) -> FinalizeReport:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"finalize takes an nn.Module, got {type(model).__name__}")
+    report = FinalizeReport()
+    loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
     for name, ann, weight in _effective(model):
         pattern, dim = ann.recipe.pattern, ann.dim
@@ -100,16 +163,25 @@ def finalize(model: nn.Module, *, force: bool = False) -> FinalizeReport:
             + "\n  ".join(problems)
             + "\nFinish training, or call finalize(model, force=True) to prune them (changes the function)."
         )
-    report = FinalizeReport()
     for name, places in _owners(model):
         record = deployed_of(places[0][1]._parameters[places[0][2]])
         if record is not None:
             report[name] = record
-    if not baked and not report:
+    if not baked and not report and not loaded:
+        if pattern is not None:
+            raise ValueError(
+                f"nmcompile.finalize: no weight of {type(model).__name__} is {pattern} along its reduction "
+                "dimension, so none was recorded as deployed (was the finalized checkpoint loaded?):\n  "
+                + "\n  ".join(f"{name}: {why}" for name, why in report.dense.items())
+            )
         raise ValueError(
             f"nmcompile.finalize: no weight of {type(model).__name__} is annotated or finalized; declare a "
-            "recipe with nmcompile.annotate(model, 'sr_ste:2:4') and train before finalizing"
+            "recipe with nmcompile.annotate(model, 'sr_ste:2:4') and train before finalizing, or pass "
+            "pattern='2:4' for a model a finalized checkpoint was loaded into"
         )
+    for name, places, record in loaded:
+        _record(places[0][1], places[0][2], record)
+        report[name] = record
     places_of = dict(_owners(model))
     with torch.no_grad():
         for name, ann, weight, record in baked:
@@ -121,7 +193,7 @@ def finalize(model: nn.Module, *, force: bool = False) -> FinalizeReport:
                 if annotation_of(param) is not None:
                     annotation_of(param).detach_hooks()
                     delattr(param, ATTR)
-                setattr(param, DEPLOY_ATTR, record)
+                _record(module, pname, record)
             report[name] = record
     if changed:
         warnings.warn(

@@ -99,9 +99,7 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
             2:4 for a state dict.
         dim: grouping dimension for state-dict tensors (1 for Linear/Conv, 0 for GPT-2 Conv1D).
     """
-    if isinstance(pattern, str):
-        n, _, m = pattern.partition(":")
-        pattern = NMPattern(int(n), int(m))
+    pattern = None if pattern is None else NMPattern.of(pattern)
     report = CheckReport()
     if isinstance(obj, nn.Module):
         from .finalize import deployed_of

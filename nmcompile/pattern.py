@@ -44,6 +44,16 @@ class NMPattern:
     def __str__(self) -> str:
         return f"{self.n}:{self.m}"
 
+    @classmethod
+    def of(cls, value: NMPattern | str) -> NMPattern:
+        """``value`` as a pattern: an ``NMPattern``, or a string ``"N:M"`` such as ``"2:4"``."""
+        if isinstance(value, cls):
+            return value
+        n, _, m = value.strip().partition(":") if isinstance(value, str) else ("", "", "")
+        if not (n.strip().isdigit() and m.strip().isdigit()):
+            raise ValueError(f"{value!r} is not an N:M pattern like '2:4'")
+        return cls(int(n), int(m))  # checks 1 <= N < M
+
     @property
     def density(self) -> float:
         return self.n / self.m

@@ -13,6 +13,7 @@ from nmcompile.backends.deploy import DeployRunner
 from nmcompile.backends.dispatch import qualify
 from nmcompile.backends.inductor import CacheKeyPass, with_cache_key
 from nmcompile.backends.nmsparse import nmsparse_backend
+from nmcompile.finalize import deployed_of
 
 SPARSE_OP = torch.ops.nmsparse.sparse_linear.default
 
@@ -207,3 +208,64 @@ def test_break_even_token_count():
     assert break_even(ladder, [False, False, True, True]) == 64
     assert break_even(ladder, [True, False, True, True]) == 64  # faster at 1 token alone does not count
     assert break_even(ladder, [False, False, False, True]) == 256
+
+
+def _deployed(model) -> dict:
+    return {n: deployed_of(p) for n, p in model.named_parameters()}
+
+
+def _rewritten(model) -> list:
+    compiled, runners = compile_spy(model, inner="eager", deploy_kernel="reference")
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    return [call.args[0].name for call in sparse_calls(runners[0])]
+
+
+def test_deepcopy_and_assign_loads_keep_the_deploy_record():
+    import copy
+
+    model = finalized_mlp()
+    records = _deployed(model)
+    twin = copy.deepcopy(model)
+    assert _deployed(twin) == records
+    assert all(twin_p is not p for twin_p, p in zip(twin.parameters(), model.parameters()))
+    assert all(_deployed(twin)[n] is not records[n] for n in records if records[n] is not None)
+    assert len(_rewritten(twin)) == 2  # the copy deploys with the 2:4 kernel, as the original does
+    assigned = copy.deepcopy(model)
+    assigned.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    assert assigned[0].weight is not twin[0].weight and _deployed(assigned) == records
+    nmcompile.annotate(twin, "sr_ste:2:4")  # the copy trains again: its record and load hook go
+    assert all(r is None for r in _deployed(twin).values())
+    twin.load_state_dict(twin.state_dict(), assign=True)
+    assert all(r is None for r in _deployed(twin).values())
+    assert _deployed(model) == records  # the original keeps its own
+
+
+def test_a_finalized_checkpoint_loaded_into_a_fresh_model_is_recorded_with_its_pattern():
+    trained = finalized_mlp()
+    state = {k: v.clone() for k, v in trained.state_dict().items()}
+    state["2.weight"][0, :4] = 1.0  # one group of one layer is no longer 2:4
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32), nn.ReLU(), nn.Linear(32, 10)).eval()
+    fresh.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"nmcompile.finalize\(model, pattern='2:4'\) records its N:M weights"):
+        with torch.no_grad():
+            torch.compile(fresh, backend="nmsparse")(torch.randn(8, 64))  # nothing records it as N:M yet
+    assert nmcompile.deploy_report(fresh) == {}
+    report = nmcompile.finalize(fresh, pattern="2:4")
+    assert set(report) == {"0.weight", "4.weight"}
+    assert report.dense == {"2.weight": "1/1024 groups along dim 1 keep more than 2 of 4"}
+    assert "0.weight: 2:4 along dim 1 (loaded N:M)" in str(report)
+    assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items())  # nothing changed
+    assert len(_rewritten(fresh)) == 1  # 0.weight; 4.weight is [10, 32]
+    assert nmcompile.finalize(fresh, pattern="2:4") == report  # idempotent
+
+
+def test_recording_a_pattern_no_weight_has_is_an_error_that_names_the_weights():
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    with pytest.raises(ValueError, match=r"no weight of Sequential is 2:4(.|\n)*0.weight: 512/512 groups"):
+        nmcompile.finalize(model, pattern="2:4")
+    with pytest.raises(ValueError, match="'2-4' is not an N:M pattern like '2:4'"):
+        nmcompile.finalize(model, pattern="2-4")
+    assert all(r is None for r in _deployed(model).values())

@@ -312,7 +312,9 @@ def _report(ctx: PassContext) -> None:
         warnings.warn(
             f"nmsparse: no N:M recipe is declared for any of {len(ctx.candidates)} weights "
             f"({', '.join(ctx.candidates[:3])}{', ...' if len(ctx.candidates) > 3 else ''}); training dense. "
-            "Declare one with nmcompile.annotate, options={'recipe': ...}, NMSPARSE_RECIPE or nmcompile.region",
+            "Declare one with nmcompile.annotate, options={'recipe': ...}, NMSPARSE_RECIPE or nmcompile.region; "
+            "for a finalized checkpoint loaded into a fresh model, nmcompile.finalize(model, pattern='2:4') "
+            "records its N:M weights for the deploy kernels",
             stacklevel=2,
         )
 

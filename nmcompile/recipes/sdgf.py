@@ -32,11 +32,10 @@ NAMED = ("stepwise", "geometric", "densify")
 def _parse_frames(text: str) -> tuple[tuple[int, int], ...]:
     frames = []
     for part in text.replace(">", "/").split("/"):
-        n, sep, m = part.strip().partition(":")
         try:
-            pattern = NMPattern(int(n), int(m))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"sdgf: schedule entry {part!r} is not an N:M pattern like 4:8 ({err})") from None
+            pattern = NMPattern.of(part)
+        except ValueError as err:
+            raise ValueError(f"sdgf: schedule entry: {err}") from None
         frames.append((pattern.n, pattern.m))
     return tuple(frames)
 
