@@ -68,7 +68,8 @@ def _finalized(model: nn.Module) -> dict[str, object]:
     if not found:
         raise ValueError(
             f"export_onnx: no weight of {type(model).__name__} is finalized; annotate, train, then "
-            "nmcompile.finalize(model) before exporting"
+            "nmcompile.finalize(model) before exporting (for a finalized checkpoint loaded into a fresh "
+            "model: nmcompile.finalize(model, pattern='2:4'))"
         )
     return found
 
