@@ -145,18 +145,18 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
     for name, ann, weight in _effective(model):
-        pattern, dim = ann.recipe.pattern, ann.dim
-        bad, total = masks.count_violations(weight, pattern.n, pattern.m, dim)
+        nm, dim = ann.recipe.pattern, ann.dim
+        bad, total = masks.count_violations(weight, nm.n, nm.m, dim)
         change = 0.0
         if bad:
             if not force:
-                problems.append(f"{name} ({ann.recipe}): {bad}/{total} groups are not {pattern}; {_not_nm_hint(ann.recipe)}")
+                problems.append(f"{name} ({ann.recipe}): {bad}/{total} groups are not {nm}; {_not_nm_hint(ann.recipe)}")
                 continue
-            pruned = masks.prune(weight, pattern.n, pattern.m, dim)
+            pruned = masks.prune(weight, nm.n, nm.m, dim)
             change = float((pruned - weight).float().norm() / weight.float().norm().clamp_min(1e-30))
             changed.append(f"{name}: {change:.3g}")
             weight = pruned
-        baked.append((name, ann, weight, Deployed(pattern, dim, str(ann.recipe), change)))
+        baked.append((name, ann, weight, Deployed(nm, dim, str(ann.recipe), change)))
     if problems:
         raise ValueError(
             "nmcompile.finalize: these layers are not N:M yet, nothing was changed:\n  "
