@@ -190,11 +190,16 @@ def _before_load(pname: str, ann: WeightAnnotation, module, state_dict, prefix, 
                 )
 
 
-def _after_load(pname: str, ann: WeightAnnotation, module, incompatible_keys) -> None:
-    """``load_state_dict(assign=True)`` put new parameter objects in place: they carry the recipe too."""
+def keep_on_new_parameter(module: nn.Module, pname: str, attr: str, record) -> None:
+    """After ``load_state_dict(assign=True)`` put a new parameter object in place: it carries
+    ``record`` as ``attr`` too, unless it already has a recipe or deploy record."""
     param = module._parameters.get(pname)
-    if param is not None and annotation_of(param) is None and not hasattr(param, DEPLOY_ATTR):
-        setattr(param, ATTR, ann)
+    if param is not None and not hasattr(param, ATTR) and not hasattr(param, DEPLOY_ATTR):
+        setattr(param, attr, record)
+
+
+def _after_load(pname: str, ann: WeightAnnotation, module, incompatible_keys) -> None:
+    keep_on_new_parameter(module, pname, ATTR, ann)
 
 
 @dataclass

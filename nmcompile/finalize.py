@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import masks
-from .annotate import ATTR, DEPLOY_ATTR, _owners, _skip_reason, annotation_of, mark_copies
+from .annotate import ATTR, DEPLOY_ATTR, _owners, _skip_reason, annotation_of, keep_on_new_parameter, mark_copies
 from .inspection import _effective
 from .pattern import NMPattern
 from .sharding import full
@@ -68,9 +68,7 @@ def _record(module: nn.Module, pname: str, record: Deployed) -> None:
 
 
 def _after_load(pname: str, record: Deployed, module, incompatible_keys) -> None:
-    param = module._parameters.get(pname)
-    if param is not None and deployed_of(param) is None and annotation_of(param) is None:
-        setattr(param, DEPLOY_ATTR, record)
+    keep_on_new_parameter(module, pname, DEPLOY_ATTR, record)
 
 
 class FinalizeReport(dict):
