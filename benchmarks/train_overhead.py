@@ -3,7 +3,9 @@
 Model: 4 x (Linear(1024, 1024) + ReLU), batch 256, fp32, MSE loss, torch.optim.Adam. Every variant
 runs interleaved round-robin in one process, so host noise hits all of them alike. Printed per
 variant: its median step, that over dense's median step ("vs dense"), and the median over rounds
-of its step over dense's step in the same round ("paired").
+of its step over dense's step in the same round ("paired"). ``--adam both`` runs every variant
+twice in the same rounds, with PyTorch's default Adam and with ``Adam(fused=True)``, and compares
+each with the dense model under the same optimizer.
 
 Variants:
   dense       torch.compile(backend="inductor")
@@ -49,7 +51,7 @@ RECIPES = ("ste", "sr_ste", "s_ste")
 SWAPPABLE = set(RECIPES)
 WIDTH, BATCH, LAYERS = 1024, 256, 4
 DIAGNOSTICS_EVERY = 0
-ADAM = {}  # extra torch.optim.Adam arguments for every variant (--fused-adam)
+ADAMS = {"default": {}, "fused": {"fused": True}}  # torch.optim.Adam arguments per --adam choice
 
 
 def mlp() -> nn.Sequential:
@@ -118,7 +120,7 @@ class SwapLinear(nn.Module):
         return nn.functional.linear(x, w, self.bias)
 
 
-def build(variant: str):
+def build(variant: str, adam: str):
     model = mlp()
     if variant == "dense":
         run = torch.compile(model, backend="inductor")
@@ -129,7 +131,7 @@ def build(variant: str):
         recipe = variant[5:]
         model = nn.Sequential(*[SwapLinear(m, recipe) if isinstance(m, nn.Linear) else m for m in model])
         run = model
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **ADAM)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **ADAMS[adam])
     if variant.startswith("nm/"):
         nmcompile.hook_optimizer(model, opt, diagnostics_every=DIAGNOSTICS_EVERY)
     return model, run, opt
@@ -146,7 +148,7 @@ def first_step(variant: str, primed: bool) -> float:
     if primed:  # pay Inductor's one-time costs (imports, C++ prefix header) on an unrelated graph
         torch.compile(lambda t: torch.relu(t * 2), backend="inductor")(torch.randn(3, 5))
         torch._dynamo.reset()
-    _, run, opt = build(variant)
+    _, run, opt = build(variant, "default")
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     start = time.perf_counter()
     step(run, opt, x, y)
@@ -173,7 +175,10 @@ def main() -> None:
     parser.add_argument("--diagnostics-every", type=int, default=0, help="record mask diagnostics (0: off)")
     parser.add_argument("--no-swap", action="store_true", help="skip the eager module-swap variants")
     parser.add_argument("--compile-time", action="store_true")
-    parser.add_argument("--fused-adam", action="store_true", help="torch.optim.Adam(fused=True) for every variant")
+    parser.add_argument(
+        "--adam", choices=(*ADAMS, "both"), default="default",
+        help="PyTorch's default Adam (on CPU its single-tensor loop), Adam(fused=True), or both side by side",
+    )
     parser.add_argument("--first-step", help=argparse.SUPPRESS)
     parser.add_argument("--primed", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -182,13 +187,13 @@ def main() -> None:
         return
     global DIAGNOSTICS_EVERY
     DIAGNOSTICS_EVERY = args.diagnostics_every
-    if args.fused_adam:
-        ADAM["fused"] = True
 
-    variants = ["dense"] + [f"nm/{r}" for r in args.recipes]
+    names = ["dense"] + [f"nm/{r}" for r in args.recipes]
     if not args.no_swap:
-        variants += [f"swap/{r}" for r in args.recipes if r in SWAPPABLE]
-    runs = {v: build(v) for v in variants}
+        names += [f"swap/{r}" for r in args.recipes if r in SWAPPABLE]
+    adams = list(ADAMS) if args.adam == "both" else [args.adam]
+    variants = [(name, adam) for adam in adams for name in names]
+    runs = {v: build(*v) for v in variants}
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     for _, run, opt in runs.values():
         for _ in range(args.warmup):
@@ -199,16 +204,20 @@ def main() -> None:
             start = time.perf_counter()
             step(run, opt, x, y)
             times[v].append(time.perf_counter() - start)
-    med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
-    # paired: the median over rounds of (this variant's step / dense's step in the same round), which
-    # cancels host slowdowns that last longer than one round
-    paired = {v: statistics.median(a / b for a, b in zip(t, times["dense"])) for v, t in times.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} interleaved steps")
-    adam = "fused" if args.fused_adam else "default (single-tensor loop on CPU)"
-    print(f"diagnostics every {args.diagnostics_every} steps, Adam {adam}")
-    print(f"{'variant':<18}{'median ms':>10}{'vs dense':>10}{'paired':>10}")
-    for v in variants:
-        print(f"{v:<18}{med[v]:>10.2f}{med[v] / med['dense']:>10.3f}{paired[v]:>10.3f}")
+    print(f"diagnostics every {args.diagnostics_every} steps")
+    for adam in adams:
+        dense = times[("dense", adam)]
+        how = "Adam(fused=True)" if adam == "fused" else "default Adam (single-tensor loop on CPU)"
+        print(f"\n{how}, each variant against dense with the same optimizer")
+        print(f"{'variant':<18}{'median ms':>10}{'vs dense':>10}{'paired':>10}")
+        for name in names:
+            t = times[(name, adam)]
+            # paired: the median over rounds of (this variant's step / dense's step in the same
+            # round), which cancels host slowdowns that last longer than one round
+            paired = statistics.median(a / b for a, b in zip(t, dense))
+            ratio = statistics.median(t) / statistics.median(dense)
+            print(f"{name:<18}{statistics.median(t) * 1e3:>10.2f}{ratio:>10.3f}{paired:>10.3f}")
     if args.compile_time:
         for primed in (False, True):
             first = compile_times(["dense"] + [f"nm/{r}" for r in args.recipes], primed)
