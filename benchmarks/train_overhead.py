@@ -3,7 +3,9 @@
 Model: 4 x (Linear(1024, 1024) + ReLU), batch 256, fp32, MSE loss, torch.optim.Adam. Every variant
 runs interleaved round-robin in one process, so host noise hits all of them alike. Printed per
 variant: its median step, that over dense's median step ("vs dense"), and the median over rounds
-of its step over dense's step in the same round ("paired"). ``--adam both`` runs every variant
+of its step over dense's step in the same round ("paired"), and its mean step over dense's mean
+step ("mean"): the mean counts the steps that refresh a mask or search a permutation every k
+steps (transposable, bi_mask), which the medians leave out. ``--adam both`` runs every variant
 twice in the same rounds, with PyTorch's default Adam and with ``Adam(fused=True)``, and compares
 each with the dense model under the same optimizer.
 
@@ -210,14 +212,15 @@ def main() -> None:
         dense = times[("dense", adam)]
         how = "Adam(fused=True)" if adam == "fused" else "default Adam (single-tensor loop on CPU)"
         print(f"\n{how}, each variant against dense with the same optimizer")
-        print(f"{'variant':<18}{'median ms':>10}{'vs dense':>10}{'paired':>10}")
+        print(f"{'variant':<18}{'median ms':>10}{'vs dense':>10}{'paired':>10}{'mean':>10}")
         for name in names:
             t = times[(name, adam)]
             # paired: the median over rounds of (this variant's step / dense's step in the same
             # round), which cancels host slowdowns that last longer than one round
             paired = statistics.median(a / b for a, b in zip(t, dense))
             ratio = statistics.median(t) / statistics.median(dense)
-            print(f"{name:<18}{statistics.median(t) * 1e3:>10.2f}{ratio:>10.3f}{paired:>10.3f}")
+            mean = statistics.fmean(t) / statistics.fmean(dense)
+            print(f"{name:<18}{statistics.median(t) * 1e3:>10.2f}{ratio:>10.3f}{paired:>10.3f}{mean:>10.3f}")
     if args.compile_time:
         for primed in (False, True):
             first = compile_times(["dense"] + [f"nm/{r}" for r in args.recipes], primed)

@@ -21,10 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks
+from ..masks import bits
 from ..clock import new_step
 from ..sharding import full
 from .base import Recipe
 from .transposable import fits_both_axes
+
+
+_SEARCH_BYTES = 1 << 26  # packed rows gathered at once by the permutation search (64 MiB)
 
 
 def out_axis(dim: int) -> int:
@@ -32,15 +36,17 @@ def out_axis(dim: int) -> int:
 
 
 def shared_kept(weight: torch.Tensor, perms: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
-    """For each row order in ``perms`` (``[K, out]``), how many weights both masks keep."""
+    """For each row order in ``perms`` (``[K, out]``), how many non-zero weights both masks keep.
+
+    In each group of ``m`` permuted output rows and each column, ``B`` keeps the ``n`` largest
+    ``|W * F|`` that ``F`` keeps, so of the ``c`` non-zero weights ``F`` keeps there it keeps
+    ``min(n, c)``. Counted on ``F`` packed to bits, 64 columns a word, for every order at once.
+    """
     axis = out_axis(dim)
-    forward = masks.keep_mask(weight, n, m, dim)
-    kept = torch.where(forward, weight, 0).movedim(axis, 0)
-    forward = forward.movedim(axis, 0)
-    scores = []
-    for chunk in perms.split(8):  # bounds memory: 8 permuted copies at a time
-        both = masks.keep_mask(kept[chunk], n, m, 1) & forward[chunk]
-        scores.append(both.flatten(1).sum(1))
+    kept = masks.keep_mask(weight, n, m, dim) & (weight != 0)
+    packed = bits.pack_columns(kept.movedim(axis, 0).flatten(1))  # [out, words]
+    chunk = max(1, _SEARCH_BYTES // max(1, packed.numel() * packed.element_size()))
+    scores = [bits.capped_group_counts(packed[orders].unflatten(1, (-1, m)), n) for orders in perms.split(chunk)]
     return torch.cat(scores)
 
 
