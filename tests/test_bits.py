@@ -34,8 +34,9 @@ def test_capped_group_counts_is_the_sum_of_min_n_and_count(n, m):
     torch.manual_seed(n * 10 + m)
     mask = torch.rand(3, 4 * m, 100) < 0.6  # three candidates, four groups of m rows
     expected = mask.unflatten(1, (-1, m)).sum(2).clamp(max=n).sum((1, 2))
-    packed = torch.stack([bits.pack_columns(x) for x in mask])
-    assert torch.equal(bits.capped_group_counts(packed.unflatten(1, (-1, m)), n), expected)
+    packed = torch.stack([bits.pack_columns(x) for x in mask])  # [3, 4m, W]
+    rows = packed.unflatten(1, (-1, m)).permute(2, 0, 1, 3)  # [m, 3, 4, W]
+    assert torch.equal(bits.capped_group_counts(rows, n), expected)
 
 
 @pytest.mark.parametrize("shape, n, m", [((32, 16), 2, 4), ((64, 80), 1, 4), ((16, 200), 4, 8), ((24, 8, 3, 3), 2, 4)])

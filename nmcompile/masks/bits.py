@@ -36,17 +36,16 @@ def popcount(words: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return (x & 0x7F).sum(dims)
 
 
-def capped_group_counts(words: torch.Tensor, n: int) -> torch.Tensor:
-    """``sum over groups and columns of min(n, set bits in the group's column)``.
+def capped_group_counts(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``sum over groups and columns of min(n, set bits in the group's column)``, per candidate.
 
-    ``words``: ``[..., groups, m, W]`` packed rows, each group's m rows together. Returns ``[...]``.
-    Bit-sliced: ``at_least[k]`` marks the columns where more than k of the rows seen so far are set.
+    ``rows``: ``[m, K, groups, W]`` packed rows: ``rows[i, k, g]`` is row i of group g under
+    candidate k. Returns ``[K]``. Bit-sliced: ``at_least[j]`` marks the columns where more than j
+    of the rows seen so far are set.
     """
-    rows = words.movedim(-2, 0).contiguous()  # [m, ..., groups, W]: each row a contiguous block
-    at_least = [torch.zeros_like(rows[0]) for _ in range(n)]
+    at_least = torch.zeros((n, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
     for row in rows:
-        for k in range(n - 1, 0, -1):
-            at_least[k] |= at_least[k - 1] & row
+        for j in range(n - 1, 0, -1):
+            at_least[j] |= at_least[j - 1] & row
         at_least[0] |= row
-    dims = (-2, -1)
-    return sum(popcount(level, dims) for level in at_least)
+    return popcount(at_least, (0, 2, 3))
