@@ -46,8 +46,11 @@ def shared_kept(weight: torch.Tensor, perms: torch.Tensor, n: int, m: int, dim: 
     kept = masks.keep_mask(weight, n, m, dim) & (weight != 0)
     packed = bits.pack_columns(kept.movedim(axis, 0).flatten(1))  # [out, words]
     chunk = max(1, _SEARCH_BYTES // max(1, packed.numel() * packed.element_size()))
-    # rows[i, k, g]: row i of group g in order k, gathered straight into the layout the count reads
-    scores = [bits.capped_group_counts(packed[orders.unflatten(1, (-1, m)).permute(2, 0, 1)], n) for orders in perms.split(chunk)]
+    scores = []
+    for orders in perms.split(chunk):
+        # rows[i, k, g]: row i of group g in order k, gathered straight into the layout the count reads
+        rows = packed[orders.unflatten(1, (-1, m)).permute(2, 0, 1)]
+        scores.append(bits.capped_group_counts(rows, n))
     return torch.cat(scores)
 
 
