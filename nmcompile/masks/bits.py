@@ -1,8 +1,8 @@
 """Boolean masks packed 64 columns to an int64 word, and the counts taken over them.
 
 Used where one mask is scored under many row orders (Bi-Mask's permutation search): gathering
-packed rows moves 8x fewer bytes than gathering a bool mask (64 columns in 8 bytes), and the N:M counts become a few
-bitwise operations per word.
+packed rows moves 8x fewer bytes than gathering a bool mask (64 columns in 8 bytes), and the N:M
+counts become a few bitwise operations per word.
 """
 
 from __future__ import annotations
