@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .topn import at_least_levels
+
 _BITS = 64
 # SWAR popcount constants; each has bit 63 clear, so arithmetic right shifts give the same bits
 _M1, _M2, _M4 = 0x5555555555555555, 0x3333333333333333, 0x0F0F0F0F0F0F0F0F
@@ -40,12 +42,8 @@ def capped_group_counts(rows: torch.Tensor, n: int) -> torch.Tensor:
     """``sum over groups and columns of min(n, set bits in the group's column)``, per candidate.
 
     ``rows``: ``[m, K, groups, W]`` packed rows: ``rows[i, k, g]`` is row i of group g under
-    candidate k. Returns ``[K]``. Bit-sliced: ``at_least[j]`` marks the columns where more than j
-    of the rows seen so far are set.
+    candidate k. Returns ``[K]``: ``min(n, c)`` is the number of levels t <= n with ``c >= t``,
+    so it adds up the popcounts of the bit-sliced "at least t of the m rows" words.
     """
-    at_least = torch.zeros((n, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-    for row in rows:
-        for j in range(n - 1, 0, -1):
-            at_least[j] |= at_least[j - 1] & row
-        at_least[0] |= row
-    return popcount(at_least, (0, 2, 3))
+    levels = [level for level in at_least_levels(list(rows), n) if level is not None]
+    return sum(popcount(level, (1, 2)) for level in levels)

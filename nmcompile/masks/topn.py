@@ -150,16 +150,26 @@ def _soft_threshold_2_4(w: torch.Tensor, scale) -> torch.Tensor:
     return _join_2_4(w, middle, lambda g: _shrink(g, _threshold(g, 2, 4), scale))
 
 
-def _at_least(bools: list[torch.Tensor], k: int) -> torch.Tensor:
-    """Whether at least ``k`` (>= 1) of ``bools`` hold, in ``&``/``|`` only (which Inductor vectorises)."""
-    count: list = [None] * (k + 1)  # count[t]: at least t of the bools seen so far
-    for b in bools:
+def at_least_levels(flags: list[torch.Tensor], k: int) -> list:
+    """``levels[t - 1]``: where at least ``t`` of ``flags`` hold, for t = 1..k, in ``&``/``|`` only.
+
+    ``flags`` are bool tensors (Inductor vectorises these ops) or int64 words of packed bits
+    (:mod:`nmcompile.masks.bits`), where each bit counts on its own. A level that fewer than t
+    flags can reach stays ``None``.
+    """
+    count: list = [None] * (k + 1)  # count[t]: at least t of the flags seen so far
+    for b in flags:
         for t in range(k, 0, -1):
             if t > 1 and count[t - 1] is None:
                 continue
             more = b if t == 1 else count[t - 1] & b
             count[t] = more if count[t] is None else count[t] | more
-    return count[k]
+    return count[1:]
+
+
+def _at_least(bools: list[torch.Tensor], k: int) -> torch.Tensor:
+    """Whether at least ``k`` (>= 1) of ``bools`` hold."""
+    return at_least_levels(bools, k)[k - 1]
 
 
 def _across(w: torch.Tensor, m: int, dim: int) -> torch.Tensor | None:
