@@ -1,5 +1,7 @@
 """Recipes that change a GEMM's backward: MVUE weight gradients, FP8 simulation, Bi-Mask's DGRAD mask."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,24 +112,51 @@ def test_fp8_with_mvue_is_the_full_s_ste_recipe_and_trains():
     assert nmcompile.check(model).ok
 
 
-@pytest.mark.parametrize("shape", [(16, 32), (8, 8, 3, 3)], ids=["linear", "conv"])
-def test_bi_mask_gradients_use_exactly_their_masks(shape):
+class InOutLinear(nn.Module):
+    """A GPT-2 ``Conv1D``-style layer: weight ``[in, out]``, ``addmm``; N:M groups along dim 0."""
+
+    def __init__(self, inp, out):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(inp, out) / inp**0.5), nn.Parameter(torch.randn(out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+BI_MASK_LAYERS = {  # layer, input, reference op, and how to view the weight as [out, in, ...]
+    "linear": (lambda: nn.Linear(32, 16), (4, 32), F.linear, lambda w: w),
+    "conv": (lambda: nn.Conv2d(8, 8, 3, padding=1), (2, 8, 5, 5), lambda x, w, b: F.conv2d(x, w, b, padding=1), lambda w: w),
+    "in_out": (lambda: InOutLinear(32, 16), (4, 32), lambda x, w, b: torch.addmm(b, x, w), lambda w: w.t()),
+}
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("layout", list(BI_MASK_LAYERS))
+def test_bi_mask_gradients_use_exactly_their_masks(layout, inner):
+    make, x_shape, op, out_in = BI_MASK_LAYERS[layout]
     torch.manual_seed(0)
-    layer = nn.Linear(shape[1], shape[0]) if len(shape) == 2 else nn.Conv2d(shape[1], shape[0], 3, padding=1)
-    recipe = recipes.BiMask(decay=0.01, candidates=20)
-    nmcompile.annotate(layer, recipe)
+    layer = make()
+    recipe = "bi_mask:2:4,decay=0.01,candidates=20"
+    if layout != "in_out":  # annotate knows these layers; the backend finds the [in, out] weight's axes
+        nmcompile.annotate(layer, recipe)
+    options = {"inner": inner, **({"recipe": recipe} if layout == "in_out" else {})}
+    compiled = torch.compile(layer, backend="nmsparse", options=options)
+    x = torch.randn(x_shape)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "nmsparse: recipe state")  # (made at the first forward)
+        out = compiled(x)
     perm = layer.weight_nm_perm
-    assert sorted(perm.tolist()) == list(range(shape[0]))
-    compiled = torch.compile(layer, backend="nmsparse", options={"inner": "aot_eager"})
-    x = torch.randn(4, shape[1]) if len(shape) == 2 else torch.randn(2, shape[1], 5, 5)
-    out = compiled(x)
+    assert sorted(perm.tolist()) == list(range(out_in(layer.weight).shape[0]))
+    with torch.no_grad():  # the search may keep the identity on so small a layer: set an order that is not
+        perm.copy_(torch.randperm(perm.numel(), generator=torch.Generator().manual_seed(1)))
+    assert not torch.equal(perm, torch.arange(perm.numel()))
     dy = torch.randn_like(out)
     dx, dw, db, out = grads(layer, compiled, x, dy)
-    w = layer.weight.detach()
-    f = reference.topn_mask(w, 2, 4, 1)
-    b = reference.bi_mask_backward_mask(w, perm, 2, 4)
+    w = out_in(layer.weight.detach())
+    f = out_in(reference.topn_mask(w, 2, 4, 1))
+    b = out_in(reference.bi_mask_backward_mask(w, perm, 2, 4))
+    w = out_in(w)  # back to the stored layout
     assert not torch.equal(b, f)
-    op = F.linear if len(shape) == 2 else lambda x, w, b: F.conv2d(x, w, b, padding=1)
     torch.testing.assert_close(out, op(x, w * f, layer.bias))
     xr = x.clone().requires_grad_()
     op(xr, w * b, layer.bias).backward(dy)
@@ -136,7 +165,7 @@ def test_bi_mask_gradients_use_exactly_their_masks(shape):
     op(x, wr, layer.bias).backward(dy)
     torch.testing.assert_close(dw, wr.grad + 0.01 * (~f) * w)  # dense WGRAD + lambda (1 - F) W
     # B keeps at most N of M along the output axis, in permuted order, and only weights F keeps
-    b_perm = b.flatten(1)[perm]
+    b_perm = out_in(b).flatten(1)[perm]
     assert int(b_perm.unflatten(0, (-1, 4)).sum(1).max()) <= 2
     assert not (b & ~f).any()
 

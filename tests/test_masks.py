@@ -136,7 +136,8 @@ def test_prune_row_groups_is_prune_of_the_reordered_rows(n, m, shape, compiled):
 
 
 @pytest.mark.parametrize("dim", [1, 0], ids=["out-axis-0", "out-axis-1"])
-def test_bi_mask_backward_weight_matches_reference_at_either_out_axis(dim):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_bi_mask_backward_weight_matches_reference_at_either_out_axis(dim, compiled):
     from nmcompile import ops
 
     torch.manual_seed(0)
@@ -146,7 +147,8 @@ def test_bi_mask_backward_weight_matches_reference_at_either_out_axis(dim):
     perm = torch.randperm(w_out_rows.shape[0])
     expected = w_out_rows * reference.bi_mask_backward_mask(w_out_rows, perm, 2, 4)
     kept = masks.prune(w, 2, 4, dim)
-    got = ops._backward_mask_weight(kept, perm, 2, 4, dim)
+    fn = torch.compile(ops._backward_mask_weight, fullgraph=True) if compiled else ops._backward_mask_weight
+    got = fn(kept, perm, 2, 4, dim)
     torch.testing.assert_close(got if dim == 1 else got.t(), expected, rtol=0, atol=0)
 
 
