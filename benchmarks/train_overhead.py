@@ -15,6 +15,9 @@ Variants:
               nmcompile.hook_optimizer on the Adam optimizer (schedules; diagnostics with --diagnostics-every)
   swap/<r>    eager module swap: each Linear's weight goes through a per-layer autograd.Function
               (how the papers' reference code works), mask by torch.topk + scatter (ste, sr_ste, s_ste)
+  prune/asp   (with asp) PyTorch's own fixed-mask fine-tune: torch.nn.utils.prune.custom_from_mask
+              with a 2:4 magnitude mask on each Linear, torch.compile(backend="inductor"): what any
+              fixed mask costs the optimizer, without nmcompile
 
     python benchmarks/train_overhead.py                # step-time table
     python benchmarks/train_overhead.py --compile-time # + first-step times, one process each
@@ -32,6 +35,7 @@ import time
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import nmcompile
 
@@ -129,6 +133,11 @@ def build(variant: str, adam: str):
     elif variant.startswith("nm/"):
         nmcompile.annotate(model, SPECS[variant[3:]])
         run = torch.compile(model, backend="nmsparse")
+    elif variant == "prune/asp":
+        for mod in model:
+            if isinstance(mod, nn.Linear):
+                prune.custom_from_mask(mod, "weight", topk_mask(mod.weight.detach()).bool())
+        run = torch.compile(model, backend="inductor")
     else:
         recipe = variant[5:]
         model = nn.Sequential(*[SwapLinear(m, recipe) if isinstance(m, nn.Linear) else m for m in model])
@@ -193,6 +202,8 @@ def main() -> None:
     names = ["dense"] + [f"nm/{r}" for r in args.recipes]
     if not args.no_swap:
         names += [f"swap/{r}" for r in args.recipes if r in SWAPPABLE]
+    if "asp" in args.recipes:
+        names.append("prune/asp")
     adams = list(ADAMS) if args.adam == "both" else [args.adam]
     variants = [(name, adam) for adam in adams for name in names]
     runs = {v: build(*v) for v in variants}
