@@ -10,6 +10,8 @@ from torch import nn
 import nmcompile
 from nmcompile import recipes
 from nmcompile.masks import mvue
+from nmcompile.backends.nmsparse import _copy
+from nmcompile.passes import TRAIN_PASSES, PassContext, run_passes
 
 import reference
 
@@ -168,6 +170,36 @@ def test_bi_mask_gradients_use_exactly_their_masks(layout, inner):
     b_perm = out_in(b).flatten(1)[perm]
     assert int(b_perm.unflatten(0, (-1, 4)).sum(1).max()) <= 2
     assert not (b & ~f).any()
+
+
+def rewritten(model, x, grad=True):
+    """Dynamo's graph of ``model(x)`` after the training passes, and their context."""
+    done = []
+
+    def capture(gm, example_inputs):  # the passes read Dynamo's example values, which live only here
+        work = _copy(gm)  # as the backend does: Dynamo's own graph must not change
+        done.append((work, run_passes(work, TRAIN_PASSES, PassContext())))
+        return gm.forward
+
+    with torch.set_grad_enabled(grad):
+        torch.compile(model, backend=capture)(x)
+    (result,) = done
+    return result
+
+
+def test_bi_mask_dgrad_weight_is_a_forward_output_only_where_an_input_gradient_needs_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    nmcompile.annotate(model, "bi_mask:2:4,candidates=4")
+    x, xg = torch.randn(4, 32), torch.randn(4, 32, requires_grad=True)
+    for inp, grad, layers in [(x, True, ["2", "4"]), (xg, True, ["0", "2", "4"]), (x, False, [])]:
+        torch.compiler.reset()
+        gm, ctx = rewritten(model, inp, grad)
+        (outputs,) = next(iter(gm.graph.find_nodes(op="output"))).args
+        # the first layer's W * B is needed only when the model's input needs a gradient
+        expected = [ctx.projected[f"{layer}.weight"][1] for layer in layers]
+        assert ctx.extra_outputs == len(layers) and list(outputs[1:]) == expected
+        assert all(node.target is torch.ops.nmsparse.backward_mask_weight for node in expected)
 
 
 def test_bi_mask_permutation_search_and_schedule():

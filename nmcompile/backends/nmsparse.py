@@ -75,18 +75,29 @@ def parse_options(options, mode):
     return plan, inner, patches
 
 
-def _compile_inner(gm: fx.GraphModule, example_inputs, inner: str, patches: dict, plan_key: str = ""):
+def _compile_inner(
+    gm: fx.GraphModule, example_inputs, inner: str, patches: dict, plan_key: str = "", extra_outputs: int = 0
+):
+    """``gm`` compiled by ``inner``; its last ``extra_outputs`` outputs (added by the passes) are dropped."""
     if inner == "eager":
-        return gm.forward
-    if inner == "aot_eager":
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx, select_decomp_table
+        compiled = gm.forward
+    elif inner == "aot_eager":
+        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    else:
+        from torch._inductor.compile_fx import compile_fx, select_decomp_table
 
-    from .inductor import with_cache_key
+        from .inductor import with_cache_key
 
-    decompositions = {**select_decomp_table(), **ops.DECOMPOSITIONS}
-    patches = with_cache_key(patches, plan_key)
-    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+        decompositions = {**select_decomp_table(), **ops.DECOMPOSITIONS}
+        patches = with_cache_key(patches, plan_key)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+    if not extra_outputs:
+        return compiled
+
+    def without_extra_outputs(*args):
+        return compiled(*args)[:-extra_outputs]
+
+    return without_extra_outputs
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -223,8 +234,9 @@ class _CompiledNM:
                 )
             node = nodes[target.node.name]
             targets.append(dataclasses.replace(target, node=node, recipe=ann.recipe, frame=frame))
-        run_passes(work, REWRITE_PASSES, PassContext(targets=targets))
-        return _compile_inner(work, list(example_inputs), self.inner, self.patches, repr(self.key(anns, frames)))
+        ctx = run_passes(work, REWRITE_PASSES, PassContext(targets=targets))
+        key = repr(self.key(anns, frames))
+        return _compile_inner(work, list(example_inputs), self.inner, self.patches, key, ctx.extra_outputs)
 
     def _check_clock(self, slot, module, step) -> None:
         """Raise when the weight changed since the last call but its clock did not (no hook)."""
@@ -365,6 +377,6 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
         state.extend(values[key] for key in t.recipe.state_names)
     state = _static(state)
     key = (tuple((t.recipe, t.dim) for t in ctx.targets), tuple(t.frame for t in ctx.targets))
-    runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches, repr(key))
+    runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches, repr(key), ctx.extra_outputs)
     _add_owner_inputs(gm, owners)
     return runner

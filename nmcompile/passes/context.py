@@ -43,6 +43,7 @@ class PassContext:
     declared: bool = False  # whether any route declared a recipe (even "dense") for some weight
     # fqn -> (forward weight node, DGRAD weight node or None, the model's nodes that consume it)
     projected: dict[str, tuple[fx.Node, fx.Node | None, tuple[fx.Node, ...]]] = field(default_factory=dict)
+    extra_outputs: int = 0  # graph outputs appended after Dynamo's (saved DGRAD weights), dropped at run time
     # deploy: finalized weights and the kernel each gets
     deploy_kernel: str = "auto"  # auto, dense, cusparselt or reference
     deployed: list[DeployTarget] = field(default_factory=list)

@@ -6,6 +6,10 @@
   rows the same way gets a real N:M operand for the input gradient.
 - WGRAD is dense, plus SR-STE's ``decay * (1 - F) * W``.
 
+``W * B`` is computed in the forward, right after ``W * F``, and kept for the backward (see
+:mod:`nmcompile.passes.save_dgrad_weights`): one weight-sized tensor per layer whose input needs
+a gradient.
+
 ``perm`` is the output-row order, among the identity and ``candidates`` random permutations,
 that keeps the most weights in both masks; it is searched when the weight is annotated and every
 ``every`` optimizer steps. The candidates come from a generator seeded by the optimizer step
