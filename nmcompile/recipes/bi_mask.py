@@ -8,7 +8,8 @@
 
 ``W * B`` is computed in the forward, right after ``W * F``, and kept for the backward (see
 :mod:`nmcompile.passes.save_dgrad_weights`): one weight-sized tensor per layer whose input needs
-a gradient.
+a gradient (with ``torch._functorch.config.activation_memory_budget`` below 1, AOTAutograd's
+partitioner may recompute it in the backward instead).
 
 ``perm`` is the output-row order, among the identity and ``candidates`` random permutations,
 that keeps the most weights in both masks; it is searched when the weight is annotated and every
