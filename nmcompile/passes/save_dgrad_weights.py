@@ -34,8 +34,9 @@ def _needs_input_grad(dgrad: fx.Node) -> bool:
         for gemm in (user.users if user.target is torch.t else [user]):
             if gemm.target not in _GEMMS or gemm.args[2] is not operand:
                 return False
-            x = gemm.args[0].meta.get("example_value")
-            needed = needed or bool(getattr(x, "requires_grad", False))
+            x = gemm.args[0]
+            value = x.meta.get("example_value") if isinstance(x, fx.Node) else None
+            needed = needed or bool(getattr(value, "requires_grad", False))
     return needed
 
 
