@@ -12,7 +12,10 @@ each with the dense model under the same optimizer.
 Variants:
   dense       torch.compile(backend="inductor")
   nm/<r>      torch.compile(backend="nmsparse") with recipe <r> (SPECS below), plus
-              nmcompile.hook_optimizer on the Adam optimizer (schedules; diagnostics with --diagnostics-every)
+              nmcompile.hook_optimizer on the Adam optimizer (schedules; diagnostics with --diagnostics-every);
+              the default projections="auto", which on the CPU shares one mask kernel per weight shape
+  inline/<r>  (with --inline) the same with options={"projections": "inline"}: each weight's mask math
+              fused into the graph
   swap/<r>    eager module swap: each Linear's weight goes through a per-layer autograd.Function
               (how the papers' reference code works), mask by torch.topk + scatter (ste, sr_ste, s_ste)
   prune/asp   (with asp) PyTorch's own fixed-mask fine-tune: torch.nn.utils.prune.custom_from_mask
@@ -21,6 +24,7 @@ Variants:
 
     python benchmarks/train_overhead.py                # step-time table
     python benchmarks/train_overhead.py --compile-time # + first-step times, one process each
+    python benchmarks/train_overhead.py --inline --layers 12 --compile-time --steps 0
 """
 
 from __future__ import annotations
@@ -130,9 +134,10 @@ def build(variant: str, adam: str):
     model = mlp()
     if variant == "dense":
         run = torch.compile(model, backend="inductor")
-    elif variant.startswith("nm/"):
-        nmcompile.annotate(model, SPECS[variant[3:]])
-        run = torch.compile(model, backend="nmsparse")
+    elif variant.startswith(("nm/", "inline/")):
+        kind, recipe = variant.split("/")
+        nmcompile.annotate(model, SPECS[recipe])
+        run = torch.compile(model, backend="nmsparse", options={"projections": "inline" if kind == "inline" else "auto"})
     elif variant == "prune/asp":
         for mod in model:
             if isinstance(mod, nn.Linear):
@@ -143,7 +148,7 @@ def build(variant: str, adam: str):
         model = nn.Sequential(*[SwapLinear(m, recipe) if isinstance(m, nn.Linear) else m for m in model])
         run = model
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, **ADAMS[adam])
-    if variant.startswith("nm/"):
+    if variant.startswith(("nm/", "inline/")):
         nmcompile.hook_optimizer(model, opt, diagnostics_every=DIAGNOSTICS_EVERY)
     return model, run, opt
 
@@ -172,38 +177,15 @@ def compile_times(variants, primed: bool) -> dict[str, float]:
     for variant in variants:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-            cmd = [sys.executable, __file__, "--first-step", variant] + (["--primed"] if primed else [])
+            cmd = [sys.executable, __file__, "--first-step", variant, "--layers", str(LAYERS)]
+            cmd += ["--primed"] if primed else []
             result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             out[variant] = float(result.stdout.strip().splitlines()[-1])
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), help=f"any of {', '.join(SPECS)}")
-    parser.add_argument("--diagnostics-every", type=int, default=0, help="record mask diagnostics (0: off)")
-    parser.add_argument("--no-swap", action="store_true", help="skip the eager module-swap variants")
-    parser.add_argument("--compile-time", action="store_true")
-    parser.add_argument(
-        "--adam", choices=(*ADAMS, "both"), default="default",
-        help="PyTorch's default Adam (on CPU its single-tensor loop), Adam(fused=True), or both side by side",
-    )
-    parser.add_argument("--first-step", help=argparse.SUPPRESS)
-    parser.add_argument("--primed", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.first_step:
-        print(first_step(args.first_step, args.primed))
-        return
-    global DIAGNOSTICS_EVERY
-    DIAGNOSTICS_EVERY = args.diagnostics_every
-
-    names = ["dense"] + [f"nm/{r}" for r in args.recipes]
-    if not args.no_swap:
-        names += [f"swap/{r}" for r in args.recipes if r in SWAPPABLE]
-    if "asp" in args.recipes:
-        names.append("prune/asp")
+def step_table(args, names) -> None:
+    """Time every variant, interleaved round-robin, and print the table."""
     adams = list(ADAMS) if args.adam == "both" else [args.adam]
     variants = [(name, adam) for adam in adams for name in names]
     runs = {v: build(*v) for v in variants}
@@ -217,7 +199,7 @@ def main() -> None:
             start = time.perf_counter()
             step(run, opt, x, y)
             times[v].append(time.perf_counter() - start)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} interleaved steps")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {LAYERS} layers, {args.steps} interleaved steps")
     print(f"diagnostics every {args.diagnostics_every} steps")
     for adam in adams:
         dense = times[("dense", adam)]
@@ -232,9 +214,44 @@ def main() -> None:
             ratio = statistics.median(t) / statistics.median(dense)
             mean = statistics.fmean(t) / statistics.fmean(dense)
             print(f"{name:<18}{statistics.median(t) * 1e3:>10.2f}{ratio:>10.3f}{paired:>10.3f}{mean:>10.3f}")
+
+
+def main() -> None:
+    global LAYERS, DIAGNOSTICS_EVERY
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), help=f"any of {', '.join(SPECS)}")
+    parser.add_argument("--diagnostics-every", type=int, default=0, help="record mask diagnostics (0: off)")
+    parser.add_argument("--no-swap", action="store_true", help="skip the eager module-swap variants")
+    parser.add_argument("--inline", action="store_true", help='add each recipe with projections="inline"')
+    parser.add_argument("--layers", type=int, default=LAYERS, help="Linear+ReLU layers of the MLP")
+    parser.add_argument("--compile-time", action="store_true")
+    parser.add_argument(
+        "--adam", choices=(*ADAMS, "both"), default="default",
+        help="PyTorch's default Adam (on CPU its single-tensor loop), Adam(fused=True), or both side by side",
+    )
+    parser.add_argument("--first-step", help=argparse.SUPPRESS)
+    parser.add_argument("--primed", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    LAYERS = args.layers
+    if args.first_step:
+        print(first_step(args.first_step, args.primed))
+        return
+    DIAGNOSTICS_EVERY = args.diagnostics_every
+
+    names = ["dense"] + [f"nm/{r}" for r in args.recipes]
+    if args.inline:
+        names += [f"inline/{r}" for r in args.recipes]
+    if not args.no_swap:
+        names += [f"swap/{r}" for r in args.recipes if r in SWAPPABLE]
+    if "asp" in args.recipes:
+        names.append("prune/asp")
+    if args.steps > 0:
+        step_table(args, names)
     if args.compile_time:
         for primed in (False, True):
-            first = compile_times(["dense"] + [f"nm/{r}" for r in args.recipes], primed)
+            first = compile_times([n for n in names if not n.startswith(("swap/", "prune/"))], primed)
             how = "primed by an unrelated compile" if primed else "nothing cached"
             print(f"\nfirst step, empty Inductor cache, one process each, {how}")
             for v, sec in first.items():

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import nmcompile
 from nmcompile import recipes
-from nmcompile.backends.nmsparse import parse_options
+from nmcompile.backends.inner import parse_options
 
 AOT = {"inner": "aot_eager"}
 
@@ -227,14 +227,16 @@ def test_unknown_option_lists_accepted_with_nearest():
 
 
 def test_options_pass_inductor_settings_and_mode_through():
-    plan, inner, patches = parse_options({"recipe": "ste", "epilogue_fusion": False}, None)
-    assert inner == "inductor" and patches == {"epilogue_fusion": False}
-    _, _, patches = parse_options(None, "max-autotune-no-cudagraphs")
-    assert patches.get("max_autotune") is True
+    plan, inner = parse_options({"recipe": "ste", "epilogue_fusion": False}, None)
+    assert inner.name == "inductor" and inner.patches == {"epilogue_fusion": False}
+    _, inner = parse_options(None, "max-autotune-no-cudagraphs")
+    assert inner.patches.get("max_autotune") is True
     with pytest.raises(ValueError, match="need inner='inductor'"):
         parse_options({"inner": "aot_eager", "epilogue_fusion": False}, None)
     with pytest.raises(ValueError, match="inner='bogus' is not one of"):
         parse_options({"inner": "bogus"}, None)
+    with pytest.raises(ValueError, match="projections='fused' is not one of auto, inline, shared"):
+        parse_options({"projections": "fused"}, None)
     with pytest.raises(ValueError, match="need a 'recipe'"):
         parse_options({"include": ["fc1"]}, None)
 

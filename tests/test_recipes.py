@@ -30,9 +30,13 @@ def _reference_step(model, recipe, x, y, betas):
     return loss, {name: p.grad.clone() for name, p in params.items()}
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "options",
+    [{"inner": "aot_eager"}, {"projections": "shared"}, {"projections": "inline"}],
+    ids=["aot_eager", "inductor-shared", "inductor-inline"],
+)
 @pytest.mark.parametrize("spec", RECIPES)
-def test_forward_gradient_and_adam_match_reference(spec, inner):
+def test_forward_gradient_and_adam_match_reference(spec, options):
     recipe = recipes.parse(spec)
     model = mlp()
     ref_model = copy.deepcopy(model)
@@ -44,7 +48,7 @@ def test_forward_gradient_and_adam_match_reference(spec, inner):
         for name, b in betas.items():
             if b is not None:
                 torch.testing.assert_close(b, reference.beta(ref_model.get_parameter(name), 2, 4))
-    compiled = torch.compile(model, backend="nmsparse", options={"inner": inner})
+    compiled = torch.compile(model, backend="nmsparse", options=options)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     for _ in range(3):

@@ -4,8 +4,8 @@
 
 1. copies Dynamo's graph and runs :data:`nmcompile.passes.TRAIN_PASSES` on the copy, which inserts
    each selected weight's recipe ops and adds recipe state as extra graph inputs;
-2. compiles the copy with Inductor (``compile_fx`` with scoped ``config_patches``), or with
-   ``aot_eager``/``eager`` when ``options={"inner": ...}`` asks for it;
+2. compiles the copy with the inner compiler of :mod:`nmcompile.backends.inner` (Inductor with
+   scoped ``config_patches``, or ``aot_eager``/``eager`` when ``options={"inner": ...}`` asks);
 3. adds to Dynamo's graph one input per owning module (sourced like the weights), so every call
    receives the modules of the instance being run. The returned callable reads each weight's state
    from its module, or creates it the first time it meets an instance that was declared through
@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import warnings
 import weakref
@@ -24,80 +23,18 @@ import weakref
 import torch
 from torch import fx
 
-from .. import ops
 from ..annotate import ATTR, attach, state_of
 from ..finalize import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
 from ..passes._graph import parameter_fqn, parameter_placeholders, source_name
 from ..plan import Plan
+from .inner import Inner, parse_options
 
 __all__ = ["nmsparse_backend"]
 
 log = logging.getLogger("nmcompile")
 
-NM_OPTIONS = ("recipe", "include", "exclude", "inner", "deploy_kernel")
 DEPLOY_KERNELS = ("auto", "dense", "cusparselt", "reference")
-INNER = ("inductor", "aot_eager", "eager")
-
-
-def _inductor_keys() -> set[str]:
-    import torch._inductor.config as inductor_config
-
-    return set(inductor_config._config)
-
-
-def parse_options(options, mode):
-    """``(plan or None, inner compiler name, Inductor config patches)`` from the backend options."""
-    options = dict(options or {})
-    recipe = options.pop("recipe", None)
-    include, exclude = options.pop("include", None), options.pop("exclude", None)
-    inner = options.pop("inner", "inductor")
-    if inner not in INNER:
-        raise ValueError(f"nmsparse option inner={inner!r} is not one of {', '.join(INNER)}")
-    if recipe is None and (include or exclude):
-        raise ValueError("nmsparse options include/exclude need a 'recipe' to filter")
-    plan = Plan.build(recipe, include=include, exclude=exclude) if recipe is not None else None
-    patches = {}
-    if mode not in (None, "default"):
-        patches.update(torch._inductor.list_mode_options(mode))
-    known = _inductor_keys()
-    for key, value in options.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, [*NM_OPTIONS, *known], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"unknown nmsparse option {key!r}{hint}; accepted: {', '.join(NM_OPTIONS)}, "
-                "or any torch._inductor.config setting"
-            )
-        patches[key] = value
-    if patches and inner != "inductor":
-        raise ValueError(f"Inductor settings {sorted(patches)} need inner='inductor', not {inner!r}")
-    return plan, inner, patches
-
-
-def _compile_inner(
-    gm: fx.GraphModule, example_inputs, inner: str, patches: dict, plan_key: str = "", extra_outputs: int = 0
-):
-    """``gm`` compiled by ``inner``; its last ``extra_outputs`` outputs (added by the passes) are dropped."""
-    if inner == "eager":
-        compiled = gm.forward
-    elif inner == "aot_eager":
-        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-    else:
-        from torch._inductor.compile_fx import compile_fx, select_decomp_table
-
-        from .inductor import with_cache_key
-
-        decompositions = {**select_decomp_table(), **ops.DECOMPOSITIONS}
-        patches = with_cache_key(patches, plan_key)
-        compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
-    if not extra_outputs:
-        return compiled
-
-    def without_extra_outputs(*args):
-        return compiled(*args)[:-extra_outputs]
-
-    return without_extra_outputs
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -190,9 +127,9 @@ class _CompiledNM:
     compiled from the same graph and cached.
     """
 
-    def __init__(self, base: fx.GraphModule, targets, slots, n_inputs: int, inner: str, patches: dict):
+    def __init__(self, base: fx.GraphModule, targets, slots, n_inputs: int, inner: Inner):
         self.base, self.targets, self.slots = base, targets, slots
-        self.n_inputs, self.inner, self.patches = n_inputs, inner, patches
+        self.n_inputs, self.inner = n_inputs, inner
         self.variants: dict[tuple, object] = {}
         self.last = None
         self.compiled = None
@@ -236,7 +173,7 @@ class _CompiledNM:
             targets.append(dataclasses.replace(target, node=node, recipe=ann.recipe, frame=frame))
         ctx = run_passes(work, REWRITE_PASSES, PassContext(targets=targets))
         key = repr(self.key(anns, frames))
-        return _compile_inner(work, list(example_inputs), self.inner, self.patches, key, ctx.extra_outputs)
+        return self.inner.compile(work, list(example_inputs), key, ctx.extra_outputs)
 
     def _check_clock(self, slot, module, step) -> None:
         """Raise when the weight changed since the last call but its clock did not (no hook)."""
@@ -337,7 +274,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     deploy_kernel = options.pop("deploy_kernel", "auto")
     if deploy_kernel not in DEPLOY_KERNELS:
         raise ValueError(f"nmsparse option deploy_kernel={deploy_kernel!r} is not one of {', '.join(DEPLOY_KERNELS)}")
-    plan, inner, patches = parse_options(options, mode)
+    plan, inner = parse_options(options, mode)
     ctx = PassContext(options_plan=plan, env_plan=Plan.from_env(), deploy_kernel=deploy_kernel)
     work = _copy(gm)
     base = _copy(gm)
@@ -359,8 +296,8 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             record_decisions(ctx)
             example = [*example_inputs, *_static([t for pair in ctx.compressed.values() for t in pair])]
             key = repr([(t.fqn, t.decision) for t in ctx.deployed])
-            return DeployRunner(work, ctx, _compile_inner(work, example, inner, patches, key), len(example_inputs))
-        return _compile_inner(work, list(example_inputs), inner, patches)
+            return DeployRunner(work, ctx, inner.compile(work, example, key), len(example_inputs))
+        return inner.compile(work, list(example_inputs))
     owner_index: dict[str, int] = {}
     owners, slots = [], []
     for target in ctx.targets:
@@ -369,7 +306,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             owner_index[key] = len(owners)
             owners.append(target.owner)
         slots.append(_Slot(owner_index[key], target))
-    runner = _CompiledNM(base, ctx.targets, slots, len(example_inputs), inner, patches)
+    runner = _CompiledNM(base, ctx.targets, slots, len(example_inputs), inner)
     # the declared recipes are the first variant; example state comes from these weights
     state = []
     for t in ctx.targets:
@@ -377,6 +314,6 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
         state.extend(values[key] for key in t.recipe.state_names)
     state = _static(state)
     key = (tuple((t.recipe, t.dim) for t in ctx.targets), tuple(t.frame for t in ctx.targets))
-    runner.variants[key] = _compile_inner(work, [*example_inputs, *state], inner, patches, repr(key), ctx.extra_outputs)
+    runner.variants[key] = inner.compile(work, [*example_inputs, *state], repr(key), ctx.extra_outputs)
     _add_owner_inputs(gm, owners)
     return runner

@@ -1,0 +1,122 @@
+"""The backend's options, and how it compiles a rewritten graph (the inner compiler).
+
+Options (``torch.compile(model, backend="nmsparse", options={...})``):
+
+- ``recipe``, ``include``, ``exclude``: a plan for every weight the pattern selects;
+- ``inner``: ``"inductor"`` (default), or ``"aot_eager"``/``"eager"`` for debugging;
+- ``projections``: how Inductor builds the recipes' mask ops (:mod:`nmcompile.shared_kernels`):
+  ``"inline"`` fuses each weight's projection into the graph (every weight code-generated on its
+  own, about a second of compile per sparsified weight on a CPU); ``"shared"`` calls one kernel per
+  distinct weight signature, compiled once; ``"auto"`` (default) shares the projections whose
+  signature at least three weights of the graph have (``shared_kernels.MIN_REPEATS``), on a CPU and
+  without Inductor settings, and inlines the rest (the shared kernels are compiled with Inductor's default settings, and their
+  per-call cost on a GPU has not been measured);
+- ``deploy_kernel`` (read by the backend itself);
+- any ``torch._inductor.config`` setting, passed to Inductor as scoped ``config_patches``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from .. import ops
+from ..plan import Plan
+
+__all__ = ["Inner", "parse_options", "NM_OPTIONS", "INNER", "PROJECTIONS"]
+
+NM_OPTIONS = ("recipe", "include", "exclude", "inner", "projections", "deploy_kernel")
+INNER = ("inductor", "aot_eager", "eager")
+PROJECTIONS = ("auto", "inline", "shared")
+
+
+def _inductor_keys() -> set[str]:
+    import torch._inductor.config as inductor_config
+
+    return set(inductor_config._config)
+
+
+@dataclass(frozen=True)
+class Inner:
+    """The inner compiler: its name, the user's Inductor settings and the projections choice."""
+
+    name: str = "inductor"
+    patches: dict = field(default_factory=dict)
+    projections: str = "auto"
+
+    def shared_projections(self, gm: fx.GraphModule, example_inputs):
+        """Which projections call a shared kernel: a predicate on their signatures, or None."""
+        if self.name != "inductor" or self.projections == "inline":
+            return None
+        if self.projections == "shared":
+            return lambda signature: True
+        on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
+        if not on_cpu or self.patches:
+            return None
+        from ..shared_kernels import repeated_signatures
+
+        repeated = repeated_signatures(gm)
+        return repeated.__contains__ if repeated else None
+
+    def compile(self, gm: fx.GraphModule, example_inputs, plan_key: str = "", extra_outputs: int = 0):
+        """``gm`` compiled; its last ``extra_outputs`` outputs (added by the passes) are dropped."""
+        if self.name == "eager":
+            compiled = gm.forward
+        elif self.name == "aot_eager":
+            compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        else:
+            from torch._inductor.compile_fx import compile_fx, select_decomp_table
+
+            from .inductor import with_cache_key
+
+            decompositions = {**select_decomp_table(), **ops.DECOMPOSITIONS}
+            share = self.shared_projections(gm, example_inputs)
+            if share is not None:
+                from ..shared_kernels import decompositions as shared
+
+                decompositions.update(shared(share))
+            how = "none" if share is None else getattr(share, "__self__", "all")
+            patches = with_cache_key(self.patches, f"{plan_key}\nshared projections: {how}")
+            compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+        if not extra_outputs:
+            return compiled
+
+        def without_extra_outputs(*args):
+            return compiled(*args)[:-extra_outputs]
+
+        return without_extra_outputs
+
+
+def parse_options(options, mode) -> tuple[Plan | None, Inner]:
+    """``(plan or None, inner compiler)`` from the backend options (without ``deploy_kernel``)."""
+    options = dict(options or {})
+    recipe = options.pop("recipe", None)
+    include, exclude = options.pop("include", None), options.pop("exclude", None)
+    name = options.pop("inner", "inductor")
+    if name not in INNER:
+        raise ValueError(f"nmsparse option inner={name!r} is not one of {', '.join(INNER)}")
+    projections = options.pop("projections", "auto")
+    if projections not in PROJECTIONS:
+        raise ValueError(f"nmsparse option projections={projections!r} is not one of {', '.join(PROJECTIONS)}")
+    if recipe is None and (include or exclude):
+        raise ValueError("nmsparse options include/exclude need a 'recipe' to filter")
+    plan = Plan.build(recipe, include=include, exclude=exclude) if recipe is not None else None
+    patches = {}
+    if mode not in (None, "default"):
+        patches.update(torch._inductor.list_mode_options(mode))
+    known = _inductor_keys()
+    for key, value in options.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, [*NM_OPTIONS, *known], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"unknown nmsparse option {key!r}{hint}; accepted: {', '.join(NM_OPTIONS)}, "
+                "or any torch._inductor.config setting"
+            )
+        patches[key] = value
+    if patches and name != "inductor":
+        raise ValueError(f"Inductor settings {sorted(patches)} need inner='inductor', not {name!r}")
+    return plan, Inner(name, patches, projections)
