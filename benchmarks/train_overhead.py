@@ -1,6 +1,6 @@
 """Training-step overhead of nmsparse recipes vs Inductor dense and an eager module swap.
 
-Model: 4 x (Linear(1024, 1024) + ReLU), batch 256, fp32, MSE loss, torch.optim.Adam. Every variant
+Model: 4 (or --layers) x (Linear(1024, 1024) + ReLU), batch 256, fp32, MSE loss, torch.optim.Adam. Every variant
 runs interleaved round-robin in one process, so host noise hits all of them alike. Printed per
 variant: its median step, that over dense's median step ("vs dense"), and the median over rounds
 of its step over dense's step in the same round ("paired"), and its mean step over dense's mean
@@ -13,7 +13,8 @@ Variants:
   dense       torch.compile(backend="inductor")
   nm/<r>      torch.compile(backend="nmsparse") with recipe <r> (SPECS below), plus
               nmcompile.hook_optimizer on the Adam optimizer (schedules; diagnostics with --diagnostics-every);
-              the default projections="auto", which on the CPU shares one mask kernel per weight shape
+              the default projections="auto", which on the CPU shares one mask kernel among the weights
+              of a shape that three or more weights have
   inline/<r>  (with --inline) the same with options={"projections": "inline"}: each weight's mask math
               fused into the graph
   swap/<r>    eager module swap: each Linear's weight goes through a per-layer autograd.Function

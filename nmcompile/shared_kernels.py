@@ -27,8 +27,8 @@ from . import ops
 
 __all__ = ["SHARED", "MIN_REPEATS", "decompositions", "repeated_signatures", "kernel"]
 
-#: a kernel of its own costs a separate Inductor compile and C++ build (about 3 s on a 2-core CPU, with
-#: its own copy of Inductor's C++ prelude), and each inlined projection about 1.2 s: sharing pays from
+#: a kernel of its own costs a separate Inductor compile and C++ build (2-3 s on a 2-core CPU, with its
+#: own copy of Inductor's C++ prelude), and each inlined projection about 1.2 s: sharing pays from
 #: three weights of one signature on (measured in docs/benchmarks.md)
 MIN_REPEATS = 3
 

@@ -9,8 +9,8 @@ Options (``torch.compile(model, backend="nmsparse", options={...})``):
   own, about a second of compile per sparsified weight on a CPU); ``"shared"`` calls one kernel per
   distinct weight signature, compiled once; ``"auto"`` (default) shares the projections whose
   signature at least three weights of the graph have (``shared_kernels.MIN_REPEATS``), on a CPU and
-  without Inductor settings, and inlines the rest (the shared kernels are compiled with Inductor's default settings, and their
-  per-call cost on a GPU has not been measured);
+  without Inductor settings, and inlines the rest (the shared kernels are compiled with Inductor's
+  default settings, and their per-call cost on a GPU has not been measured);
 - ``deploy_kernel`` (read by the backend itself);
 - any ``torch._inductor.config`` setting, passed to Inductor as scoped ``config_patches``.
 """
@@ -78,6 +78,7 @@ class Inner:
                 from ..shared_kernels import decompositions as shared
 
                 decompositions.update(shared(share))
+            # in the cache key: "auto" shares the set of signatures its predicate is bound to
             how = "none" if share is None else getattr(share, "__self__", "all")
             patches = with_cache_key(self.patches, f"{plan_key}\nshared projections: {how}")
             compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
