@@ -80,12 +80,13 @@ def diagnostics(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     they were taken at); STEP weights add ``z``/``z_steps`` and ``switch_step`` (-1 before the
     switch). Weights with nothing recorded yet map to an empty dict.
     """
-    from .annotate import _owners, annotation_of, state_dict_of
+    from .annotate import annotation_of, state_dict_of
+    from .records import owners
 
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, places in _owners(model):
+    for name, places in owners(model):
         _, module, pname = places[0]
-        ann = annotation_of(module._parameters[pname])
+        ann = annotation_of(module, pname)
         if ann is None:
             continue
         entry = ann.trace.read()

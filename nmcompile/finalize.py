@@ -3,28 +3,28 @@
 :func:`finalize` writes the weight each annotated layer's forward uses (S-STE: ``beta * S(W)``,
 MDGF at the end of its decay: the binary mask, ASP and transposable: the stored mask) into the
 parameter, removes the recipe state buffers and the annotation, and records on the parameter
-that it is a deployed N:M weight (:data:`DEPLOY_ATTR`). The model then computes the same function
+that it is a deployed N:M weight (a :class:`Deployed` in the owning module's records,
+:mod:`nmcompile.records`). The model then computes the same function
 with plain modules, its ``state_dict`` loads into the model without nmcompile, and the ``nmsparse``
 backend can rewrite its GEMMs to sparse kernels.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import masks
-from .annotate import ATTR, DEPLOY_ATTR, _owners, _skip_reason, annotation_of, keep_on_new_parameter, mark_copies
+from . import masks, records
+from .annotate import _skip_reason, annotation_of, detach_recipe
 from .inspection import _effective
 from .pattern import NMPattern
+from .records import DEPLOYED, owners
 from .sharding import full
 
-__all__ = ["finalize", "FinalizeReport", "Deployed", "DEPLOY_ATTR", "deployed_of", "deploy_report"]
+__all__ = ["finalize", "FinalizeReport", "Deployed", "deployed_of", "deploy_report"]
 
 
 @dataclass(frozen=True)
@@ -32,23 +32,14 @@ class Deployed:
     """A finalized weight: N:M along ``dim``, trained with ``recipe``.
 
     ``recipe`` is ``""`` for a weight recorded by ``finalize(model, pattern=...)`` from a loaded
-    checkpoint. The owning module keeps the record in a load hook, so that it stays through
-    ``load_state_dict(assign=True)`` and ``copy.deepcopy``.
+    checkpoint. The owning module keeps the record under the parameter's name, so it stays through
+    ``load_state_dict(assign=True)``, ``copy.deepcopy`` and anything else that replaces the parameter.
     """
 
     pattern: NMPattern
     dim: int
     recipe: str
     change: float = 0.0  # relative L2 change of the forward weight that finalize(force=True) made
-    hooks: list = field(default_factory=list, compare=False, repr=False)  # the owner's load hook handle
-
-    def __deepcopy__(self, memo) -> Deployed:
-        """A copy for a copied model, put on the copied parameters (see ``annotate.mark_copies``)."""
-        twin = Deployed(self.pattern, self.dim, self.recipe, self.change)
-        memo[id(self)] = twin
-        object.__setattr__(twin, "hooks", copy.deepcopy(self.hooks, memo))
-        mark_copies(memo, DEPLOY_ATTR, self, twin)
-        return twin
 
     def describe(self) -> str:
         how = f"trained with {self.recipe}" if self.recipe else "loaded N:M"
@@ -56,19 +47,8 @@ class Deployed:
         return f"{self.pattern} along dim {self.dim} ({how}){changed}"
 
 
-def deployed_of(param: torch.Tensor) -> Deployed | None:
-    return getattr(param, DEPLOY_ATTR, None)
-
-
-def _record(module: nn.Module, pname: str, record: Deployed) -> None:
-    """Mark ``module.<pname>`` deployed, and keep the mark on the parameter objects that
-    ``load_state_dict(assign=True)`` puts in its place."""
-    setattr(module._parameters[pname], DEPLOY_ATTR, record)
-    record.hooks.append(module.register_load_state_dict_post_hook(functools.partial(_after_load, pname, record)))
-
-
-def _after_load(pname: str, record: Deployed, module, incompatible_keys) -> None:
-    keep_on_new_parameter(module, pname, DEPLOY_ATTR, record)
+def deployed_of(module: nn.Module, param_name: str) -> Deployed | None:
+    return records.get(module, DEPLOYED, param_name)
 
 
 class FinalizeReport(dict):
@@ -90,9 +70,10 @@ def _loaded(model: nn.Module, pattern: NMPattern, report: FinalizeReport) -> lis
     """``(name, places, Deployed)`` of each plain weight that is already ``pattern`` along its
     reduction dimension; the others go to ``report.dense`` with the reason."""
     found = []
-    for name, places in _owners(model):
-        param = places[0][1]._parameters[places[0][2]]
-        if param.dim() < 2 or annotation_of(param) is not None or deployed_of(param) is not None:
+    for name, places in owners(model):
+        _, module, pname = places[0]
+        param = module._parameters[pname]
+        if param.dim() < 2 or annotation_of(module, pname) is not None or deployed_of(module, pname) is not None:
             continue  # biases and norms never take a pattern
         reason, dim = _skip_reason(places, pattern)
         if reason is None:
@@ -161,8 +142,8 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             + "\n  ".join(problems)
             + "\nFinish training, or call finalize(model, force=True) to prune them (changes the function)."
         )
-    for name, places in _owners(model):
-        record = deployed_of(places[0][1]._parameters[places[0][2]])
+    for name, places in owners(model):
+        record = deployed_of(*places[0][1:])
         if record is not None:
             report[name] = record
     if not baked and not report and not loaded:
@@ -178,20 +159,16 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             "pattern='2:4' for a model a finalized checkpoint was loaded into"
         )
     for name, places, record in loaded:
-        _record(places[0][1], places[0][2], record)
+        records.put(places[0][1], DEPLOYED, places[0][2], record)
         report[name] = record
-    places_of = dict(_owners(model))
+    places_of = dict(owners(model))
     with torch.no_grad():
         for name, ann, weight, record in baked:
             for _, module, pname in places_of[name]:
                 param = module._parameters[pname]
                 param.copy_(weight)
-                for buffer in ann.buffer_names(pname):
-                    module._buffers.pop(buffer, None)
-                if annotation_of(param) is not None:
-                    annotation_of(param).detach_hooks()
-                    delattr(param, ATTR)
-                _record(module, pname, record)
+                detach_recipe(module, pname)
+                records.put(module, DEPLOYED, pname, record)
             report[name] = record
     if changed:
         warnings.warn(
@@ -212,8 +189,8 @@ def deploy_report(model: nn.Module) -> dict[str, object]:
     from .backends.dispatch import DECISION_ATTR
 
     out: dict[str, object] = {}
-    for name, places in _owners(model):
-        param = places[0][1]._parameters[places[0][2]]
-        if deployed_of(param) is not None:
-            out[name] = getattr(param, DECISION_ATTR, "not compiled yet")
+    for name, places in owners(model):
+        _, module, pname = places[0]
+        if deployed_of(module, pname) is not None:
+            out[name] = getattr(module._parameters[pname], DECISION_ATTR, "not compiled yet")
     return out

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from . import masks
-from .annotate import WeightAnnotation, _owners, annotation_of, state_of
+from .annotate import WeightAnnotation, annotation_of, state_of
 from .pattern import NMPattern
+from .records import owners
 from .sharding import full
 
 __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
@@ -20,12 +21,18 @@ __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
 def _effective(model: nn.Module) -> Iterator[tuple[str, WeightAnnotation, torch.Tensor]]:
     """``(name, annotation, effective weight)`` of every annotated weight."""
     with torch.no_grad():
-        for name, places in _owners(model):
+        for name, places in owners(model):
             _, module, pname = places[0]
-            param = module._parameters[pname]
-            ann = annotation_of(param)
+            ann = annotation_of(module, pname)
             if ann is not None:
-                yield name, ann, ann.recipe.project(full(param.detach()), *state_of(module, pname, ann), dim=ann.dim)
+                param = module._parameters[pname]
+                state = state_of(module, pname, ann)
+                if param.is_meta or ann.pending:
+                    raise ValueError(
+                        f"{name} ({ann.recipe}) is on the meta device: its state is computed from real "
+                        "weights; call model.to_empty(device=...) and initialise the weights first"
+                    )
+                yield name, ann, ann.recipe.project(full(param.detach()), *state, dim=ann.dim)
 
 
 def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -106,10 +113,12 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
 
         for name, ann, weight in _effective(obj):
             _check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim)
-        for name, param in obj.named_parameters():
-            record = deployed_of(param)
+        for name, places in owners(obj):
+            _, module, pname = places[0]
+            record = deployed_of(module, pname)
             if record is not None:
-                _check_one(report, name, full(param.detach()), pattern or record.pattern, record.dim)
+                weight = full(module._parameters[pname].detach())
+                _check_one(report, name, weight, pattern or record.pattern, record.dim)
         return report
     if isinstance(obj, (str, os.PathLike)):
         if os.fspath(obj).endswith(".onnx"):

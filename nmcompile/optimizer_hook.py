@@ -1,30 +1,39 @@
-"""Connecting recipe schedules to the user's optimizer through its hook API.
+"""Running recipe schedules on the user's optimizer steps, with no call in the user's code.
 
-``nmcompile.hook_optimizer(model, optimizer)`` registers a step pre-hook and post-hook on the
-optimizer (``Optimizer.register_step_pre_hook``/``register_step_post_hook``; the optimizer object
-and its class are left as they are). On every ``optimizer.step()``:
+Recipes with a schedule (``step``, ``mdgf``, ``sdgf``, ``transposable``, ``bi_mask``) count
+optimizer steps. While something that needs those counts is alive (a model compiled by the
+``nmsparse`` backend with such a recipe, or an :class:`OptimizerHook` from
+:func:`hook_optimizer`), one :class:`StepDriver` holds PyTorch's *global* optimizer step hooks
+(``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``, public API; no
+optimizer object or class is changed). They are removed when the last such owner is garbage
+collected. On every ``step()`` of any ``torch.optim.Optimizer``, for the annotated weights of the
+modules the driver watches that this optimizer updates:
 
 1. before the step, each recipe's ``before_step`` sees its weights (STEP reads gradients and
    Adam's moments here, and in its second phase performs the frozen-moment update itself);
-2. after the step, the ``step`` clock of every clocked weight advances by one, each recipe's
-   ``after_step`` runs its schedule (refresh a mask every k steps, re-search a permutation), and
-   the mask diagnostics are recorded every ``diagnostics_every`` steps.
+2. after the step, the ``step`` clock of every clocked weight advances by one and each recipe's
+   ``after_step`` runs its schedule (refresh a mask every k steps, re-search a permutation).
 
-Schedules therefore run on optimizer steps: gradient accumulation does not speed them up.
+An optimizer step that does not run (a gradient scaler skipping a step with inf gradients) counts
+nothing, and gradient accumulation counts one per ``step()``. :func:`hook_optimizer` adds mask
+diagnostics and a finite check for one optimizer; calling it again replaces its settings.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 
-from .annotate import ATTR, WeightAnnotation, _owners, state_dict_of
+from . import records
+from .annotate import WeightAnnotation, state_dict_of
 from .clock import StepMirror
 
-__all__ = ["hook_optimizer", "OptimizerHook", "Tracked"]
+__all__ = ["hook_optimizer", "OptimizerHook", "StepDriver", "Tracked", "driver"]
 
 
 @dataclass
@@ -48,102 +57,189 @@ class Tracked:
         return self.scratch.setdefault(("mirror", key), StepMirror())
 
 
-class OptimizerHook:
-    """The handle :func:`hook_optimizer` returns; ``remove()`` detaches it."""
+@dataclass
+class _Settings:
+    diagnostics_every: int = 0
+    check_finite: bool = False
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, diagnostics_every: int, check_finite: bool = False):
-        self.model, self.optimizer, self.diagnostics_every = model, optimizer, diagnostics_every
-        self.check_finite = check_finite
-        self.steps = 0  # optimizer steps seen by this hook
-        self._key: tuple | None = None
-        self._groups: dict = {}
-        self._mask_fns: dict = {}  # recipe -> its mask function, compiled by Inductor
-        self._handles = [
-            optimizer.register_step_pre_hook(self._before),
-            optimizer.register_step_post_hook(self._after),
+
+class _PerOptimizer:
+    """What the driver keeps for one optimizer: its tracked weights and its step count."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tracked: dict[tuple, Tracked] = {}  # (id(module), param name, id(record)) -> Tracked
+        self.groups: dict = {}  # recipe -> [Tracked] of the step in progress
+        self.mask_fns: dict = {}
+
+
+class StepDriver:
+    """Counts optimizer steps for the watched modules' recipes (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {param name: fqn}
+        self.settings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Settings
+        self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _PerOptimizer
+        ref = weakref.ref(self)
+        handles = [
+            register_optimizer_step_pre_hook(functools.partial(_call, ref, "before")),
+            register_optimizer_step_post_hook(functools.partial(_call, ref, "after")),
         ]
+        weakref.finalize(self, _remove, handles)
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def watch(self, model: nn.Module) -> None:
+        """Count steps for the annotated weights of ``model`` and its submodules."""
+        for name, places in records.owners(model):
+            _, module, pname = places[0]
+            if records.get(module, records.RECIPES, pname) is not None:
+                self.watch_module(module, pname, name)
 
-    def tracked(self) -> dict:
-        """``{recipe: [Tracked, ...]}`` for the annotated weights the optimizer updates."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        key = tuple(id(getattr(p, ATTR, None)) for p in params)
-        if key != self._key:  # annotations appeared (first forward of an options route) or changed
-            in_optimizer = {id(p) for p in params}
-            groups: dict = {}
-            for name, places in _owners(self.model):
-                _, module, pname = places[0]
-                param = module._parameters[pname]
-                ann = getattr(param, ATTR, None)
-                if ann is not None and id(param) in in_optimizer:
-                    groups.setdefault(ann.recipe, []).append(Tracked(name, module, pname, ann))
-            self._key, self._groups = key, groups
-        for weights in self._groups.values():
-            for w in weights:
-                w.state = state_dict_of(w.module, w.param_name, w.ann)
-        return self._groups
+    def watch_module(self, module: nn.Module, pname: str, name: str) -> None:
+        names = self.watched.get(module)
+        if names is None:
+            names = self.watched[module] = {}
+        names.setdefault(pname, name)
 
-    def _before(self, optimizer, args, kwargs) -> None:
+    def _groups(self, optimizer, per: _PerOptimizer) -> dict:
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        groups: dict = {}
+        tracked = {}
+        for module, names in list(self.watched.items()):
+            for pname, ann in records.table(module, records.RECIPES).items():
+                param = module._parameters.get(pname)
+                if param is None or id(param) not in in_optimizer:
+                    continue
+                key = (id(module), pname, id(ann))
+                w = per.tracked.get(key) or Tracked(names.get(pname, pname), module, pname, ann)
+                w.state = state_dict_of(module, pname, ann)
+                tracked[key] = w
+                groups.setdefault(ann.recipe, []).append(w)
+        per.tracked = tracked
+        return groups
+
+    def before(self, optimizer) -> None:
+        per = self.optimizers.get(optimizer)
+        if per is None:
+            per = self.optimizers[optimizer] = _PerOptimizer()
         with torch.no_grad():
-            groups = self.tracked()
-            if self.check_finite:
-                self._raise_if_not_finite(groups)
-            for recipe, weights in groups.items():
+            per.groups = self._groups(optimizer, per)
+            settings = self.settings.get(optimizer)
+            if settings is not None and settings.check_finite:
+                _raise_if_not_finite(per.groups, per.steps + 1)
+            for recipe, weights in per.groups.items():
                 recipe.before_step(weights, optimizer)
 
-    def _raise_if_not_finite(self, groups) -> None:
-        """Name the first annotated weight whose value or gradient holds NaN or inf (before the step runs)."""
-        step = self.steps + 1
-        for weights in groups.values():
-            for w in weights:
-                for what, tensor in (("weight", w.param), ("gradient", w.param.grad)):
-                    if tensor is None:
-                        continue
-                    bad = int((~torch.isfinite(tensor)).sum())
-                    if bad:
-                        raise FloatingPointError(
-                            f"nmcompile: the {what} of {w.name!r} ({w.ann.recipe}) holds {bad} NaN/inf value(s) "
-                            f"at optimizer step {step}; the step was not taken, so the weights are those of step "
-                            f"{step - 1}. Lower the learning rate, clip gradients, or look for the cause upstream"
-                        )
-
-    def _after(self, optimizer, args, kwargs) -> None:
-        self.steps += 1
-        record = self.diagnostics_every and self.steps % self.diagnostics_every == 0
+    def after(self, optimizer) -> None:
+        per = self.optimizers.get(optimizer)
+        if per is None:
+            return
+        per.steps += 1
+        settings = self.settings.get(optimizer)
+        every = settings.diagnostics_every if settings is not None else 0
+        record = every and per.steps % every == 0
         with torch.no_grad():
-            for recipe, weights in self._groups.items():
+            for recipe, weights in per.groups.items():
                 for w in weights:
-                    w.step = w.ann.clock.advance(w.state["step"]) if recipe.clocked else self.steps
+                    w.step = w.ann.clock.advance(w.state["step"]) if recipe.clocked else per.steps
                 recipe.after_step(weights, optimizer)
                 if record:
-                    mask_of = self._mask_fn(recipe)
+                    mask_of = _mask_fn(per, recipe)
                     for w in weights:
                         w.ann.trace.record_mask(w.step, mask_of(w.param.detach(), tuple(w.state.values()), w.ann.dim))
+        per.groups = {}
 
-    def _mask_fn(self, recipe):
-        """``recipe.mask`` compiled (one fused pass over the weight instead of many eager ones)."""
-        fn = self._mask_fns.get(recipe)
-        if fn is None:
-            fn = self._mask_fns[recipe] = torch.compile(functools.partial(_mask_of, recipe), dynamic=False)
-        return fn
+
+def _call(ref, what: str, optimizer, *args) -> None:
+    driver = ref()
+    if driver is not None:
+        getattr(driver, what)(optimizer)
+
+
+def _remove(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+_DRIVER: weakref.ref | None = None  # the live driver, while something holds it
+
+
+def driver() -> StepDriver:
+    """The process's step driver, created (and its global hooks registered) if none is alive.
+
+    Callers keep the returned object for as long as they need steps counted; the hooks go when no
+    one holds it any more.
+    """
+    global _DRIVER
+    live = _DRIVER() if _DRIVER is not None else None
+    if live is None:
+        live = StepDriver()
+        _DRIVER = weakref.ref(live)
+    return live
+
+
+def _raise_if_not_finite(groups, step: int) -> None:
+    """Name the first annotated weight whose value or gradient holds NaN or inf (before the step runs)."""
+    for weights in groups.values():
+        for w in weights:
+            for what, tensor in (("weight", w.param), ("gradient", w.param.grad)):
+                if tensor is None:
+                    continue
+                bad = int((~torch.isfinite(tensor)).sum())
+                if bad:
+                    raise FloatingPointError(
+                        f"nmcompile: the {what} of {w.name!r} ({w.ann.recipe}) holds {bad} NaN/inf value(s) "
+                        f"at optimizer step {step}; the step was not taken, so the weights are those of step "
+                        f"{step - 1}. Lower the learning rate, clip gradients, or look for the cause upstream"
+                    )
+
+
+def _mask_fn(per: _PerOptimizer, recipe):
+    """``recipe.mask`` compiled (one fused pass over the weight instead of many eager ones)."""
+    fn = per.mask_fns.get(recipe)
+    if fn is None:
+        fn = per.mask_fns[recipe] = torch.compile(functools.partial(_mask_of, recipe), dynamic=False)
+    return fn
 
 
 def _mask_of(recipe, weight, state, dim):
     return recipe.mask(weight, *state, dim=dim)
 
 
+class OptimizerHook:
+    """The handle :func:`hook_optimizer` returns; ``remove()`` drops its settings."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, diagnostics_every: int, check_finite: bool):
+        self.driver = driver()
+        self.driver.watch(model)
+        self.model, self.optimizer = model, optimizer
+        self.driver.settings[optimizer] = _Settings(diagnostics_every, check_finite)
+        # the optimizer keeps the driver alive while hooked (its hook does nothing else)
+        self._handle = optimizer.register_step_pre_hook(functools.partial(_hold, self.driver))
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps the driver has counted for this optimizer."""
+        per = self.driver.optimizers.get(self.optimizer)
+        return per.steps if per is not None else 0
+
+    def remove(self) -> None:
+        self.driver.settings.pop(self.optimizer, None)
+        self._handle.remove()
+
+
+def _hold(driver, optimizer, args, kwargs) -> None:
+    """Does nothing: registered on a hooked optimizer so that it holds ``driver``."""
+
+
 def hook_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, diagnostics_every: int = 0, check_finite: bool = False
 ) -> OptimizerHook:
-    """Run the recipes' schedules and diagnostics on ``optimizer``'s steps.
+    """Record mask diagnostics, or check weights for NaN/inf, on ``optimizer``'s steps.
 
-    Needed by recipes with a schedule (``step``, ``mdgf``, ``sdgf``, ``transposable``, ``bi_mask``);
-    harmless for the others, for which it records diagnostics. Call it once, after creating the
-    optimizer; the compiled model raises if such a recipe trains without it.
+    Schedules need no call: the ``nmsparse`` backend counts optimizer steps by itself (see
+    :mod:`nmcompile.optimizer_hook`). This also makes a model that is not compiled (eager use of an
+    annotated model) count steps. Calling it again for the same optimizer replaces the settings;
+    every step is still counted once.
 
     Args:
         model: the annotated (or compiled) model whose weights ``optimizer`` updates.
@@ -155,7 +251,7 @@ def hook_optimizer(
             default: it reads every gradient once more and waits for the device each step.
 
     Returns:
-        An :class:`OptimizerHook`; ``.remove()`` detaches it.
+        An :class:`OptimizerHook`; ``.remove()`` drops these settings.
     """
     if isinstance(model, torch.optim.Optimizer) and isinstance(optimizer, nn.Module):
         raise TypeError("hook_optimizer takes (model, optimizer), in that order")

@@ -32,6 +32,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from . import records
 from .masks.permutation import kept_magnitude, search_permutation
 
 __all__ = ["permute_channels", "PermutationReport", "PermutationGroup"]
@@ -78,7 +79,6 @@ _PASS_FUNCTIONS = {
 }
 _PASS_METHODS = {"relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_"}
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
-_ANNOTATION = "_nmcompile"  # nmcompile.annotate.ATTR: a recipe recorded on a Parameter
 
 
 @dataclass
@@ -356,7 +356,7 @@ def _check_group(producer, group, path, modules, calls, owners, m):
                          *modules[mod_name].named_buffers(recurse=False)]:
             if len(owners.get(id(t), [])) > 1:
                 raise _Skip(f"'{mod_name}' shares a tensor with {', '.join(owners[id(t)])}")
-            if getattr(t, _ANNOTATION, None) is not None:
+            if records.get(modules[mod_name], records.RECIPES, pname) is not None:
                 raise _Skip(f"'{mod_name}.{pname}' already carries an nmcompile recipe whose state "
                             "would no longer match; permute before annotating")
 

@@ -89,6 +89,30 @@ class Plan:
                 return f"matched by exclude glob {g!r}"
         return None
 
+    def why_none(self, names) -> str | None:
+        """Why this plan selects no weight among ``names`` (parameter names), or None if it selects
+        one or keeps one dense by an explicit rule."""
+        names = list(names)
+        for name in names:
+            if self.filtered_out(name) is None and any(
+                fnmatchcase(n, rule.glob) for rule in self.rules for n in _names(name)
+            ):
+                return None
+        reasons = []
+        if not self.rules:
+            reasons.append("it has no rules (an empty rules file?)")
+        for glob in self.include:
+            if not any(fnmatchcase(n, glob) for name in names for n in _names(name)):
+                reasons.append(f"include glob {glob!r} matches none of them")
+        for glob in self.exclude:
+            hit = sum(any(fnmatchcase(n, glob) for n in _names(name)) for name in names)
+            if hit:
+                reasons.append(f"exclude glob {glob!r} removes {hit} of them")
+        for rule in self.rules:
+            if not any(fnmatchcase(n, rule.glob) for name in names for n in _names(name)):
+                reasons.append(f"rule {rule.glob!r} matches none of them")
+        return "; ".join(reasons) or "no rule matches a weight that include/exclude leave in"
+
     @classmethod
     def build(cls, spec, *, include=None, exclude=None) -> Plan:
         """A plan from a recipe (object or string), a TOML path, a ``{glob: recipe}`` mapping,

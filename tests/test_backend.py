@@ -12,6 +12,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import nmcompile
+from nmcompile import records
+from nmcompile.annotate import WeightAnnotation, annotation_of
 from nmcompile import recipes
 from nmcompile.backends.inner import parse_options
 
@@ -103,8 +105,8 @@ def test_region_route_without_graph_break():
     out = torch.compile(model, backend="nmsparse", options={"recipe": "ste", **AOT})(x)
     eff = nmcompile.effective_weights(model)
     assert sorted(eff) == ["fc1.weight", "head.weight"]  # fc2 opted out by its dense region
-    assert model.fc1.weight._nmcompile.recipe == recipes.SSTE()  # the region's recipe, not the options'
-    assert model.head.weight._nmcompile.recipe == recipes.STE()
+    assert annotation_of(model.fc1, "weight").recipe == recipes.SSTE()  # the region's recipe, not the options'
+    assert annotation_of(model.head, "weight").recipe == recipes.STE()
     torch.testing.assert_close(out, eager_with(model, x))
 
 
@@ -112,8 +114,8 @@ def test_annotate_takes_precedence_over_options():
     model = MLP()
     nmcompile.annotate(model, {"fc1": "s_ste"})
     torch.compile(model, backend="nmsparse", options={"recipe": "ste", **AOT})(torch.randn(2, 16))
-    assert model.fc1.weight._nmcompile.recipe == recipes.SSTE()
-    assert model.fc2.weight._nmcompile.recipe == recipes.STE()
+    assert annotation_of(model.fc1, "weight").recipe == recipes.SSTE()
+    assert annotation_of(model.fc2, "weight").recipe == recipes.STE()
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
@@ -199,7 +201,7 @@ def test_recipe_that_does_not_fit_the_compiled_graph_is_an_error():
     a, b = MLP(), MLP()
     nmcompile.annotate(a, "ste")
     nmcompile.annotate(b, "ste:1:32", include=["fc2"])  # fc1 (16 inputs) cannot take 1:32
-    b.fc1.weight._nmcompile = a.fc1.weight._nmcompile.__class__(recipes.STE(n=1, m=32), 1)
+    records.put(b.fc1, records.RECIPES, "weight", WeightAnnotation(recipes.STE(n=1, m=32), 1))
     torch.compile(a, backend="nmsparse", options=AOT)(torch.randn(2, 16))
     with pytest.raises(RuntimeError, match="'fc1.weight' was compiled with recipe ste:2:4.*reset"):
         torch.compile(b, backend="nmsparse", options=AOT)(torch.randn(2, 16))
@@ -319,7 +321,7 @@ def test_annotated_weight_the_graph_cannot_rewrite_is_reported():
 
     model = Transposed()
     nmcompile.annotate(model, "ste")
-    with pytest.warns(UserWarning, match="fc.weight: annotated ste:2:4 but used only by"):
+    with pytest.warns(UserWarning, match="fc.weight: used only by call_method t.*recipe ste:2:4 from annotate"):
         torch.compile(model, backend="nmsparse", options=AOT)(torch.randn(2, 8))
 
 

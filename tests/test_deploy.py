@@ -14,6 +14,7 @@ from nmcompile.backends.dispatch import qualify
 from nmcompile.backends.inductor import CacheKeyPass, with_cache_key
 from nmcompile.backends.nmsparse import nmsparse_backend
 from nmcompile.finalize import deployed_of
+from nmcompile.records import owners
 
 SPARSE_OP = torch.ops.nmsparse.sparse_linear.default
 
@@ -211,7 +212,7 @@ def test_break_even_token_count():
 
 
 def _deployed(model) -> dict:
-    return {n: deployed_of(p) for n, p in model.named_parameters()}
+    return {n: deployed_of(*places[0][1:]) for n, places in owners(model)}
 
 
 def _rewritten(model) -> list:

@@ -302,10 +302,10 @@ def test_unsafe_permutations_are_skipped_and_the_model_left_alone(make, names, r
 
 
 def test_already_annotated_weights_are_left_alone():
-    from nmcompile.annotate import ATTR
+    from nmcompile import records
 
     model = MLP()
-    setattr(model.fc1.weight, ATTR, object())  # as if a recipe (with state) were recorded on it
+    records.put(model.fc1, records.RECIPES, "weight", object())  # as if a recipe (with state) were recorded
     state = {k: v.clone() for k, v in model.state_dict().items()}
     report = permute_channels(model, ["fc2.weight", "fc3.weight"], 2, 4)
     assert [g.consumers for g in report.groups] == [["fc3.weight"]]

@@ -291,9 +291,9 @@ def test_a_copied_model_keeps_its_recipes_and_trains_on_its_own(route):
         torch.save(model, buf)
         buf.seek(0)
         twin = copy.deepcopy(torch.load(buf, weights_only=False))
-    for name, p in model.named_parameters():
-        q = twin.get_parameter(name)
-        ann, twin_ann = annotation_of(p), annotation_of(q)
+    for name, _ in model.named_parameters():
+        mname, _, pname = name.rpartition(".")
+        ann, twin_ann = annotation_of(model.get_submodule(mname), pname), annotation_of(twin.get_submodule(mname), pname)
         assert (twin_ann is None) == (ann is None), name
         assert ann is None or (twin_ann == ann and twin_ann is not ann), name
     assert bool(twin[0].weight_nm_phase) and int(twin[0].weight_nm_switch_step) == 3
@@ -319,15 +319,16 @@ def test_a_copied_model_keeps_its_recipes_and_trains_on_its_own(route):
 def test_reannotating_a_replaced_parameter_leaves_no_stale_state_or_hooks():
     model = net(0)
     nmcompile.annotate(model, "s_ste:2:4")
-    model[0].weight = nn.Parameter(torch.randn(64, 32))  # a new parameter object, without the record
+    model[0].weight = nn.Parameter(torch.randn(64, 32))  # a new parameter object: the module keeps the record
+    assert annotation_of(model[0], "weight").recipe == recipes.parse("s_ste:2:4")
     nmcompile.annotate(model, "sr_ste:2:4")  # another recipe, without state
     assert not any("_nm_" in key for key in model[0].state_dict())  # s_ste's beta is gone
-    assert len(model[0]._load_state_dict_pre_hooks) == len(model[0]._load_state_dict_post_hooks) == 1
+    assert len(model[0]._load_state_dict_pre_hooks) == len(model[0]._state_dict_pre_hooks) == 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.load_state_dict(model.state_dict())
     assert not [w for w in caught if "nmcompile" in str(w.message)]
-    assert annotation_of(model[0].weight).recipe == recipes.parse("sr_ste:2:4")
+    assert annotation_of(model[0], "weight").recipe == recipes.parse("sr_ste:2:4")
 
 
 def test_resumed_framed_recipe_compiles_for_its_current_frame():

@@ -172,14 +172,30 @@ def test_needs_adam_and_matching_beta2():
         adam.step()
 
 
-def test_without_the_hook_the_compiled_model_raises():
+def test_schedules_count_optimizer_steps_without_hook_optimizer():
     model = mlp()
     nmcompile.annotate(model, recipes.STEP(total_steps=10))
     compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
     opt = torch.optim.Adam(model.parameters())
+    for _ in range(3):
+        compiled(torch.randn(4, 16)).sum().backward()
+        opt.step()
+    assert int(model[0].weight_nm_step) == 3
+    nmcompile.hook_optimizer(model, opt)
+    nmcompile.hook_optimizer(model, opt)  # twice: still one count per step
     compiled(torch.randn(4, 16)).sum().backward()
     opt.step()
-    with pytest.raises(Exception, match="hook_optimizer"):
+    assert int(model[0].weight_nm_step) == 4
+
+
+def test_a_weight_updated_outside_an_optimizer_step_is_an_error():
+    model = mlp()
+    nmcompile.annotate(model, recipes.STEP(total_steps=10))
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
+    compiled(torch.randn(4, 16)).sum().backward()
+    with torch.no_grad():
+        model[0].weight.sub_(0.1 * model[0].weight.grad)  # a hand-written update: no step is counted
+    with pytest.raises(RuntimeError, match="without a torch.optim.Optimizer step"):
         compiled(torch.randn(4, 16))
 
 

@@ -11,7 +11,8 @@ Options (``torch.compile(model, backend="nmsparse", options={...})``):
   signature at least three weights of the graph have (``shared_kernels.MIN_REPEATS``), on a CPU and
   without Inductor settings, and inlines the rest (the shared kernels are compiled with Inductor's
   default settings, and their per-call cost on a GPU has not been measured);
-- ``deploy_kernel`` (read by the backend itself);
+- ``deploy_kernel``, ``strict`` (read by the backend itself; ``strict=True`` turns the summary of
+  declared weights left dense into an error);
 - any ``torch._inductor.config`` setting, passed to Inductor as scoped ``config_patches``.
 """
 
@@ -28,7 +29,7 @@ from ..plan import Plan
 
 __all__ = ["Inner", "parse_options", "NM_OPTIONS", "INNER", "PROJECTIONS"]
 
-NM_OPTIONS = ("recipe", "include", "exclude", "inner", "projections", "deploy_kernel")
+NM_OPTIONS = ("recipe", "include", "exclude", "inner", "projections", "deploy_kernel", "strict")
 INNER = ("inductor", "aot_eager", "eager")
 PROJECTIONS = ("auto", "inline", "shared")
 

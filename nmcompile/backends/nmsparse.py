@@ -23,10 +23,10 @@ import weakref
 import torch
 from torch import fx
 
-from ..annotate import ATTR, attach, state_of
+from ..annotate import annotation_of, attach, state_of
 from ..finalize import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
-from ..passes._graph import parameter_fqn, parameter_placeholders, source_name
+from ..passes._graph import owning_module, parameter_fqn, parameter_placeholders, source_name
 from ..plan import Plan
 from .inner import Inner, parse_options
 
@@ -92,9 +92,8 @@ class _Slot:
 
     def annotation(self, module, fresh: list):
         """The weight's annotation; attaches the compiled recipe (and appends to ``fresh``) the first time."""
-        param = module._parameters[self.param_name]
-        ann = getattr(param, ATTR, None)
-        if ann is None and deployed_of(param) is not None:
+        ann = annotation_of(module, self.param_name)
+        if ann is None and deployed_of(module, self.param_name) is not None:
             raise RuntimeError(
                 f"nmsparse: {self.fqn!r} was finalized after this model was compiled for training; compile the "
                 "finalized model again (torch.compiler.reset(), then torch.compile(model, backend='nmsparse'))"
@@ -114,9 +113,16 @@ class _Slot:
 
     def state(self, module, ann) -> tuple[torch.Tensor, ...]:
         try:
-            return state_of(module, self.param_name, ann)
+            state = state_of(module, self.param_name, ann)
         except KeyError:  # state buffers were removed: recreate them from the weight
-            return state_of(module, self.param_name, attach(module, self.param_name, ann.recipe, self.dim))
+            state = state_of(module, self.param_name, attach(module, self.param_name, ann.recipe, self.dim))
+        if ann.pending:
+            raise RuntimeError(
+                f"nmsparse: {self.fqn!r} ({ann.recipe}) is still on the meta device; its recipe state is computed "
+                "from real weights. Call model.to_empty(device=...) and initialise the weights (or load a "
+                "checkpoint) before the first forward"
+            )
+        return state
 
 
 class _CompiledNM:
@@ -129,6 +135,8 @@ class _CompiledNM:
 
     def __init__(self, base: fx.GraphModule, targets, slots, n_inputs: int, inner: Inner):
         self.base, self.targets, self.slots = base, targets, slots
+        self.driver = None  # the step driver, held while the graph has a recipe with a schedule
+        self.watched: weakref.WeakSet = weakref.WeakSet()
         self.n_inputs, self.inner = n_inputs, inner
         self.variants: dict[tuple, object] = {}
         self.last = None
@@ -175,6 +183,17 @@ class _CompiledNM:
         key = repr(self.key(anns, frames))
         return self.inner.compile(work, list(example_inputs), key, ctx.extra_outputs)
 
+    def _watch(self, owners, anns) -> None:
+        """Have the step driver count optimizer steps for these modules' clocked weights."""
+        if self.driver is None:
+            from ..optimizer_hook import driver
+
+            self.driver = driver()
+        for slot, ann in zip(self.slots, anns):
+            if ann.recipe.clocked:
+                self.driver.watch_module(owners[slot.owner], slot.param_name, slot.fqn)
+        self.watched.update(owners)
+
     def _check_clock(self, slot, module, step) -> None:
         """Raise when the weight changed since the last call but its clock did not (no hook)."""
         param = module._parameters[slot.param_name]
@@ -185,8 +204,10 @@ class _CompiledNM:
         ):
             raise RuntimeError(
                 f"nmsparse: {slot.fqn!r} uses a recipe with a schedule on optimizer steps, and its weight "
-                "was updated without advancing that schedule; call nmcompile.hook_optimizer(model, optimizer) "
-                "once after creating the optimizer"
+                "was updated without a torch.optim.Optimizer step (nmcompile counts the steps of "
+                "torch.optim optimizers through their global step hooks). Update it with a "
+                "torch.optim.Optimizer, or advance the schedule yourself with "
+                f"module.{slot.param_name}_nm_step += 1 after each update"
             )
         self.seen[id(param)] = (weakref.ref(param), param._version, step._version)
 
@@ -198,6 +219,8 @@ class _CompiledNM:
         anns = tuple([slot.annotation(owners[slot.owner], fresh) for slot in slots])
         if fresh:
             warnings.warn(_fresh_state_message(fresh), stacklevel=2)
+        if any(ann.recipe.clocked for ann in anns) and any(m not in self.watched for m in owners):
+            self._watch(owners, anns)
         inputs = list(args[:n])
         frames = []
         for slot, ann in zip(slots, anns):
@@ -251,12 +274,24 @@ def _add_owner_inputs(gm: fx.GraphModule, sources) -> None:
     gm.recompile()
 
 
-def _report(ctx: PassContext) -> None:
+def _report(ctx: PassContext, strict: bool) -> None:
+    """One summary per graph of what was declared and left dense (``strict``: an error instead)."""
     for t in ctx.targets:
         log.info("nmsparse: %s <- %s (from %s)", t.fqn, t.recipe, t.origin)
-    if ctx.skipped:
-        lines = "".join(f"\n  {name}: {reason}" for name, reason in ctx.skipped.items())
-        warnings.warn(f"nmsparse left these weights dense:{lines}", stacklevel=2)
+    problems = [f"\n  {name}: {reason}" for name, reason in ctx.skipped.items()]
+    for origin, plan in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)):
+        if plan is not None and ctx.weights and not ctx.targets:
+            why = plan.why_none(ctx.weights)
+            if why is not None:
+                shown = ", ".join(ctx.weights[:3]) + (", ..." if len(ctx.weights) > 3 else "")
+                problems.append(f"\n  the {origin} declaration selects none of the {len(ctx.weights)} weights "
+                                f"of this graph ({shown}): {why}")
+            break  # the options route hides the environment's
+    if problems:
+        message = "nmsparse left these weights dense:" + "".join(problems)
+        if strict:
+            raise ValueError(message + "\n(strict=True; fix the declaration or exclude these weights)")
+        warnings.warn(message, stacklevel=3)
     elif not ctx.targets and ctx.candidates and not ctx.declared:
         warnings.warn(
             f"nmsparse: no N:M recipe is declared for any of {len(ctx.candidates)} weights "
@@ -264,7 +299,7 @@ def _report(ctx: PassContext) -> None:
             "Declare one with nmcompile.annotate, options={'recipe': ...}, NMSPARSE_RECIPE or nmcompile.region; "
             "for a finalized checkpoint loaded into a fresh model, nmcompile.finalize(model, pattern='2:4') "
             "records its N:M weights for the deploy kernels",
-            stacklevel=2,
+            stacklevel=3,
         )
 
 
@@ -272,6 +307,9 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     """Dynamo backend: insert the declared N:M recipes into the graph, then compile it."""
     options = dict(options or {})
     deploy_kernel = options.pop("deploy_kernel", "auto")
+    strict = options.pop("strict", False)
+    if not isinstance(strict, bool):
+        raise ValueError(f"nmsparse option strict={strict!r} must be True or False")
     if deploy_kernel not in DEPLOY_KERNELS:
         raise ValueError(f"nmsparse option deploy_kernel={deploy_kernel!r} is not one of {', '.join(DEPLOY_KERNELS)}")
     plan, inner = parse_options(options, mode)
@@ -279,9 +317,10 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     work = _copy(gm)
     base = _copy(gm)
     run_passes(work, TRAIN_PASSES, ctx)
-    _report(ctx)
+    _report(ctx, strict)
     if ctx.targets:
-        finalized = [parameter_fqn(src) for _, param, src in parameter_placeholders(work) if deployed_of(param)]
+        owned = [(parameter_fqn(src), owning_module(src)) for _, _, src in parameter_placeholders(work)]
+        finalized = [fqn for fqn, o in owned if o is not None and deployed_of(*o) is not None]
         if finalized:
             warnings.warn(
                 f"nmsparse: {', '.join(finalized)} are finalized but this graph also trains recipes, so they run "

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..annotate import _owners, annotation_of
+from ..annotate import annotation_of
 from ..finalize import deployed_of
+from ..records import owners
 from ..inspection import CheckReport, _check_one
 from ..pattern import NMPattern
 
@@ -54,11 +55,11 @@ def _import(name: str):
 
 def _finalized(model: nn.Module) -> dict[str, object]:
     found, pending = {}, []
-    for name, places in _owners(model):
-        param = places[0][1]._parameters[places[0][2]]
-        if deployed_of(param) is not None:
-            found[name] = deployed_of(param)
-        elif annotation_of(param) is not None:
+    for name, places in owners(model):
+        _, module, pname = places[0]
+        if deployed_of(module, pname) is not None:
+            found[name] = deployed_of(module, pname)
+        elif annotation_of(module, pname) is not None:
             pending.append(name)
     if pending:
         raise ValueError(

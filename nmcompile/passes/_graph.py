@@ -121,6 +121,36 @@ def owner_source(source):
     return (module, index) if module is not None else None
 
 
+def _frame_value(source):
+    """The object ``source`` names in the frame Dynamo is compiling, or None.
+
+    A Dynamo source's name is the Python expression its guards evaluate, over the frame's locals
+    ``L`` and globals ``G`` (``L['self']._modules['fc1']``); the backend runs while Dynamo still
+    holds that frame.
+    """
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(symbolic_convert.tls, "current_tx", None)
+    frame = getattr(getattr(tx, "output", None), "root_tx", None)
+    if frame is None:
+        return None
+    try:
+        return eval(source_name(source), {"__builtins__": {}}, {"L": frame.f_locals, "G": frame.f_globals})
+    except Exception:  # a source form that is not a plain expression: the caller names the weight
+        return None
+
+
+def owning_module(source) -> tuple[nn.Module, str] | None:
+    """``(module, attribute)`` that owns the parameter ``source`` names, or None if it cannot be told."""
+    owner = owner_source(source)
+    if owner is None:
+        return None
+    module = _frame_value(owner[0])
+    if not isinstance(module, nn.Module) or owner[1] not in module._parameters:
+        return None
+    return module, owner[1]
+
+
 def parameter_placeholders(gm: fx.GraphModule):
     """``(node, parameter, dynamo source)`` for every placeholder that is an ``nn.Parameter``."""
     for node in gm.graph.find_nodes(op="placeholder"):

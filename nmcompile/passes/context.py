@@ -40,6 +40,7 @@ class PassContext:
     targets: list[NMTarget] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     candidates: list[str] = field(default_factory=list)  # every weight consumed by a GEMM/conv
+    weights: list[str] = field(default_factory=list)  # every parameter of 2 or more dims in the graph
     declared: bool = False  # whether any route declared a recipe (even "dense") for some weight
     # fqn -> (forward weight node, DGRAD weight node or None, the model's nodes that consume it)
     projected: dict[str, tuple[fx.Node, fx.Node | None, tuple[fx.Node, ...]]] = field(default_factory=dict)

@@ -13,15 +13,16 @@ from torch import fx
 from ..annotate import annotation_of
 from ..finalize import deployed_of
 from ..recipes import parse
+from ..sharding import full
 from . import _graph
 from .context import NMTarget, PassContext
 
 
-def _resolve(ctx: PassContext, param, fqn: str, node, users):
-    ann = annotation_of(param)
+def _resolve(ctx: PassContext, owned, fqn: str, node, users):
+    ann = annotation_of(*owned) if owned else None
     if ann is not None:
         return ann.recipe, "annotate"
-    if deployed_of(param) is not None:
+    if owned and deployed_of(*owned) is not None:
         return None, "finalize"  # deployed: the deploy passes take it
     region = _graph.region_recipe([use for user in users for use, _ in _graph.leaf_uses(user, node)])
     if region is not None:
@@ -32,11 +33,15 @@ def _resolve(ctx: PassContext, param, fqn: str, node, users):
     return None, None
 
 
-def _clock(ann) -> int:
+def _clock(owned) -> int:
     """The weight's optimizer step now, so that a framed recipe is compiled for its current frame
     (a resumed run, a recompile for dynamic shapes), or 0 for a weight not annotated yet."""
-    step = ann.clock.tensor if ann is not None else None
-    return ann.clock.read(step) if step is not None else 0
+    ann = annotation_of(*owned)
+    if ann is None or ann.pending:
+        return 0
+    module, pname = owned
+    step = module._buffers.get(ann.buffer_names(pname)[ann.recipe.state_names.index("step")])
+    return int(full(step)) if step is not None else 0
 
 
 def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
@@ -45,14 +50,22 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         users = list(node.users)
         uses = [_graph.weight_use(user, node) for user in users]
         fqn = _graph.parameter_fqn(source)
+        owned = _graph.owning_module(source)
+        if param.dim() >= 2:
+            ctx.weights.append(fqn)
         if not any(kind == "gemm" for kind, _ in uses):
-            ann = annotation_of(param)
-            if ann is not None and users:  # annotate chose it, but this graph cannot rewrite it
-                kinds = ", ".join(sorted({kind for kind, _ in uses}))
-                ctx.skipped[fqn] = f"annotated {ann.recipe} but used only by {kinds}, not as a linear/conv weight"
-            continue  # bias, norm scale, embedding, ...
+            kinds = sorted({kind for kind, _ in uses})
+            if param.dim() < 2 or not users or kinds == ["embedding"]:
+                continue  # bias, norm scale, embedding, or not used by this graph
+            recipe, origin = _resolve(ctx, owned, fqn, node, users)
+            if recipe is not None:  # declared, but this graph cannot rewrite it
+                ctx.skipped[fqn] = (
+                    f"used only by {', '.join(kinds)}, not as a linear/conv weight; nmcompile rewrites linear, "
+                    f"addmm, x @ W, conv1d/conv2d and nn.MultiheadAttention (recipe {recipe} from {origin})"
+                )
+            continue
         ctx.candidates.append(fqn)
-        recipe, origin = _resolve(ctx, param, fqn, node, users)
+        recipe, origin = _resolve(ctx, owned, fqn, node, users)
         ctx.declared = ctx.declared or origin is not None
         if recipe is None:
             continue
@@ -70,7 +83,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
             skip = "not a module parameter (no owning module to keep recipe state in)"
         else:
             (dim,) = dims
-            ann = annotation_of(param)
+            ann = annotation_of(*owned) if owned else None
             if ann is not None and ann.dim != dim:
                 skip = f"annotated for reduction dim {ann.dim} but the graph reduces dim {dim}"
             else:
@@ -89,7 +102,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         if skip is not None:
             ctx.skipped[fqn] = f"{skip} (recipe {recipe} from {origin})"
             continue
-        frame = recipe.frame_at(_clock(annotation_of(param))) if recipe.framed else None
+        frame = recipe.frame_at(_clock(owned)) if recipe.framed and owned else None
         ctx.targets.append(NMTarget(node, fqn, recipe, dim, owner[0], owner[1], origin, frame))
         found += 1
     return found
