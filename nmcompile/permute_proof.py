@@ -38,7 +38,8 @@ def quiet(model: nn.Module, seed: int):
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            model.train(False)
+            for mod in flags:  # the flag only: a module's own train() may do more
+                mod.training = False
             torch.manual_seed(seed)
             yield
     finally:
