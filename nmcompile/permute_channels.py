@@ -14,6 +14,14 @@ output flows into; all of it must be one of those pass-through ops or a listed c
 permutation would change the model's output, and the group is skipped with a reason. Consumers
 fed by one producer share one permutation, searched on their weights stacked together.
 
+The trace does not show everything that could see the moved channels, so a group is also skipped
+when :mod:`nmcompile.permute_checks` finds one: module hooks (global, on a layer of the group, on
+a container the permuted tensor leaves), parametrizations, gradient hooks, another name or view
+of a moved tensor's memory (tied weights), or a read of a moved tensor outside its layer's call
+(``F.linear(x, self.fc1.weight)``). Each permuted group is then checked numerically by
+:mod:`nmcompile.permute_proof` (the whole model on example or derived inputs, else the group's
+own layers); a group that fails is put back bit for bit and skipped with the reason.
+
 Use it before one-shot magnitude pruning (e.g. the ASP recipe) and before annotating: weights
 that already carry an nmcompile recipe are left alone, as their recipe state would go stale. It
 changes parameter values in place (``copy_``), never the Parameter objects, so references held
@@ -34,6 +42,9 @@ from torch import nn
 
 from . import records
 from .masks.permutation import kept_magnitude, search_permutation
+from .permute_checks import (boundary_hooks, global_hooks, graph_reads, module_hooks, other_owners,
+                             read_elsewhere, tensor_hooks, tensor_owners)
+from .permute_proof import ModelProbe, Unchecked, derive_inputs, mismatch, run_group
 
 __all__ = ["permute_channels", "PermutationReport", "PermutationGroup"]
 
@@ -105,6 +116,7 @@ class PermutationReport:
     skipped: dict[str, str] = field(default_factory=dict)
     n: int | None = None
     m: int | None = None
+    checked: str | None = None  # how the permuted groups were checked numerically
 
     @property
     def total_gain(self) -> float:
@@ -124,6 +136,8 @@ class PermutationReport:
         pattern = f" for {self.n}:{self.m}" if self.n is not None else ""
         lines = [f"channel permutation{pattern}: {len(self.groups)} group(s), "
                  f"total gain {100 * self.total_gain:+.2f}%"]
+        if self.checked and self.groups:
+            lines.append(f"function checked on {self.checked}")
         if rows:
             for r in [head, *rows]:
                 cells = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -218,13 +232,19 @@ def _as_columns(w: torch.Tensor) -> torch.Tensor:
     return w.detach().movedim(1, -1).reshape(-1, w.shape[1])
 
 
-def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0) -> PermutationReport:
+def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0,
+                     example_inputs=None) -> PermutationReport:
     """Permute the input channels of the weights ``names`` (and their producers' output channels)
     so that top-n of m along dim 1 keeps more magnitude, without changing ``model``'s function.
 
     ``names`` are parameter names such as ``"fc2.weight"`` of ``nn.Linear``, ``nn.Conv1d`` or
     ``nn.Conv2d`` (``groups=1``) modules called once in the model. Parameters and buffers change
     in place; names that cannot be permuted safely are listed in the report's ``skipped``.
+
+    Each permuted group is checked numerically: the whole model on ``example_inputs`` (a tensor
+    or a tuple of positional arguments) or, without them, on inputs derived from the layers the
+    model's inputs enter; where none can be derived, the group's own layers on an input for its
+    producer. A group whose check fails is put back exactly as it was and listed in ``skipped``.
     """
     report = PermutationReport(n=n, m=m)
     wanted: dict[str, str] = {}  # module name -> parameter name
@@ -243,24 +263,23 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0) 
     if not wanted:
         return report
 
-    try:
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception as exc:  # noqa: BLE001 - any tracing failure means: leave the model alone
-        first = (str(exc).strip().splitlines() or [""])[0]
-        reason = f"torch.fx tracing failed: {type(exc).__name__}: {first}"
+    reason = global_hooks()
+    if reason is None:
+        try:
+            gm = torch.fx.symbolic_trace(model)
+        except Exception as exc:  # noqa: BLE001 - any tracing failure means: leave the model alone
+            first = (str(exc).strip().splitlines() or [""])[0]
+            reason = f"torch.fx tracing failed: {type(exc).__name__}: {first}"
+    if reason is not None:
         for name in wanted.values():
             report.skipped[name] = reason
-        return report
+        return _ordered(report, names)
+    graph = gm.graph
 
     calls: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_module":
             calls.setdefault(node.target, []).append(node)
-
-    # parameters and buffers reachable under more than one name (tied weights) must not move
-    owners: dict[int, list[str]] = {}
-    for pname, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        owners.setdefault(id(p), []).append(pname)
 
     consumers: dict[str, torch.fx.Node] = {}
     for mod_name, name in wanted.items():
@@ -270,6 +289,11 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0) 
                                     else f"called {len(sites)} times in the traced model")
         else:
             consumers[mod_name] = sites[0]
+
+    probe = _model_probe(model, graph, modules, example_inputs, seed)
+    report.checked = probe.source if probe is not None else "each group's layers on an input for its producer"
+    reference = probe() if probe is not None else None
+    facts = _Facts(modules, calls, tensor_owners(model), graph_reads(gm), m, given_inputs=example_inputs is not None)
 
     done: set[str] = set()
     for mod_name, node in consumers.items():
@@ -285,16 +309,44 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0) 
         done.update(group)
         group_names = [wanted[c] for c in group]
         try:
-            _check_group(producer, group, path, modules, calls, owners, m)
+            _check_group(producer, group, path, facts)
+            result = _permute_checked(model, modules, producer, [consumers[c] for c in group], group_names,
+                                      path, n, m, seed, probe, reference)
         except _Skip as why:
             for name in group_names:
                 report.skipped[name] = str(why)
             continue
-        report.groups.append(_permute_group(modules, producer.target, group, group_names, path, n, m, seed))
-    # keep the skipped dict in the order the names were given
+        if result is not None:
+            report.groups.append(result)
+    return _ordered(report, names)
+
+
+def _ordered(report: PermutationReport, names) -> PermutationReport:
+    """The skipped dict in the order the names were given."""
     order = list(dict.fromkeys(names))
     report.skipped = {k: report.skipped[k] for k in order if k in report.skipped}
     return report
+
+
+def _model_probe(model, graph, modules, example_inputs, seed) -> ModelProbe | None:
+    if example_inputs is not None:
+        probe = ModelProbe(model, example_inputs, "the whole model on example_inputs", seed)
+        try:
+            probe()
+        except Exception as exc:
+            raise ValueError(f"permute_channels: the model failed on example_inputs ({type(exc).__name__}: "
+                             f"{exc}); pass the positional arguments of its forward as a tuple") from exc
+        return probe
+    inputs = derive_inputs(graph, modules, seed)
+    if inputs is None:
+        return None
+    shapes = ", ".join(str(tuple(x.shape)) for x in inputs)
+    probe = ModelProbe(model, inputs, f"the whole model on derived inputs of shape {shapes}", seed)
+    try:
+        probe()
+    except Exception:  # noqa: BLE001 - a guessed input that does not fit: check each group on its own
+        return None
+    return probe
 
 
 def _closure(producer: torch.fx.Node, consumers: dict[str, torch.fx.Node], listed, modules, calls):
@@ -333,7 +385,21 @@ def _closure(producer: torch.fx.Node, consumers: dict[str, torch.fx.Node], liste
     return group, path
 
 
-def _check_group(producer, group, path, modules, calls, owners, m):
+@dataclass
+class _Facts:
+    """What every group's structural check reads: the model's modules and call sites, every name
+    of its tensors, the tensors its forward reads outside module calls."""
+
+    modules: dict[str, nn.Module]
+    calls: dict[str, list[torch.fx.Node]]
+    owners: list
+    reads: list
+    m: int
+    given_inputs: bool
+
+
+def _check_group(producer, group, path, facts: _Facts):
+    modules, calls = facts.modules, facts.calls
     prod = modules[producer.target]
     if len(calls[producer.target]) != 1:
         raise _Skip(f"its producer '{producer.target}' is called more than once")
@@ -349,16 +415,75 @@ def _check_group(producer, group, path, modules, calls, owners, m):
             if modules[node.target].num_features != channels:
                 raise _Skip(f"BatchNorm '{node.target}' has {modules[node.target].num_features} "
                             f"features, not {channels}")
-    if channels % m:
-        raise _Skip(f"{channels} channels are not a multiple of m={m}")
-    for mod_name in [producer.target, *group, *(p.target for p in path if p.op == "call_module")]:
+            if isinstance(prod, nn.Linear) and not facts.given_inputs:
+                raise _Skip(f"BatchNorm1d '{node.target}' normalizes dim 1, which is the features of "
+                            f"'{producer.target}' (a Linear) only for 2-D inputs; pass example_inputs to "
+                            "permute_channels to check it")
+    if channels % facts.m:
+        raise _Skip(f"{channels} channels are not a multiple of m={facts.m}")
+    chain = [producer.target, *(p.target for p in path if p.op == "call_module"), *group]
+    for mod_name in chain:
+        reason = module_hooks(mod_name, modules[mod_name])
+        if reason is not None:
+            raise _Skip(reason)
+    reason = boundary_hooks(chain, modules)
+    if reason is not None:
+        raise _Skip(reason)
+    for mod_name, tensor_name, t in _moved(modules, producer.target, group, path):
+        name = f"{mod_name}.{tensor_name}"
+        others = other_owners(name, t, facts.owners)
+        if others:
+            raise _Skip(f"'{name}' shares its memory with {', '.join(others)}; permuting it would change them too")
+        reason = tensor_hooks(name, t) or read_elsewhere(name, t, facts.reads)
+        if reason is not None:
+            raise _Skip(reason)
+    for mod_name in chain:
         for pname, t in [*modules[mod_name].named_parameters(recurse=False),
                          *modules[mod_name].named_buffers(recurse=False)]:
-            if len(owners.get(id(t), [])) > 1:
-                raise _Skip(f"'{mod_name}' shares a tensor with {', '.join(owners[id(t)])}")
             if records.get(modules[mod_name], records.RECIPES, pname) is not None:
                 raise _Skip(f"'{mod_name}.{pname}' already carries an nmcompile recipe whose state "
                             "would no longer match; permute before annotating")
+
+
+def _moved(modules, producer: str, group, path) -> list[tuple[str, str, torch.Tensor]]:
+    """(module, tensor name, tensor) of everything the permutation rewrites."""
+    out = [(producer, "weight", modules[producer].weight)]
+    if modules[producer].bias is not None:
+        out.append((producer, "bias", modules[producer].bias))
+    for p in path:
+        if p.op == "call_module" and isinstance(modules[p.target], _BATCHNORMS):
+            bn = modules[p.target]
+            for t in ("weight", "bias", "running_mean", "running_var"):
+                if getattr(bn, t) is not None:
+                    out.append((p.target, t, getattr(bn, t)))
+    out += [(c, "weight", modules[c].weight) for c in group]
+    return out
+
+
+def _permute_checked(model, modules, producer, consumer_nodes, group_names, path, n, m, seed, probe, reference):
+    """Permute one group, check the function, and put everything back if the check fails."""
+    group = [c.target for c in consumer_nodes]
+    if probe is None:
+        try:
+            reference = run_group(model, modules, producer, path, consumer_nodes, seed)
+        except Unchecked as why:
+            raise _Skip(f"it cannot be checked numerically ({why}); pass example_inputs to "
+                        "permute_channels") from None
+    saved = [(t, t.detach().clone()) for *_, t in _moved(modules, producer.target, group, path)]
+    result = _permute_group(modules, producer.target, group, group_names, path, n, m, seed)
+    try:
+        after = probe() if probe is not None else run_group(model, modules, producer, path, consumer_nodes, seed)
+        why = mismatch(reference, after)
+    except Exception as exc:  # noqa: BLE001 - a forward that fails after permuting: undo, name it
+        why = f"the forward failed: {type(exc).__name__}: {exc}"
+    if why is None:
+        return result
+    with torch.no_grad():
+        for t, old in saved:
+            t.copy_(old)
+    where = probe.source if probe is not None else "the group's layers on an input for its producer"
+    raise _Skip(f"permuting '{producer.target}' > {', '.join(group)} changed {where}: {why}; "
+                "left unpermuted (something reads these channels in an order the trace does not show)")
 
 
 def _permute_group(modules, producer: str, group, group_names, path, n, m, seed) -> PermutationGroup:
@@ -369,17 +494,8 @@ def _permute_group(modules, producer: str, group, group_names, path, n, m, seed)
     bns = [p.target for p in path if p.op == "call_module" and isinstance(modules[p.target], _BATCHNORMS)]
     if not torch.equal(perm, torch.arange(perm.numel())):
         with torch.no_grad():
-            prod = modules[producer]
-            _permute_(prod.weight, perm, 0)
-            if prod.bias is not None:
-                _permute_(prod.bias, perm, 0)
-            for b in bns:
-                bn = modules[b]
-                for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var):
-                    if t is not None:
-                        _permute_(t, perm, 0)
-            for c in group:
-                _permute_(modules[c].weight, perm, 1)
+            for mod_name, _, t in _moved(modules, producer, group, path):
+                _permute_(t, perm, 1 if mod_name in group else 0)
     return PermutationGroup(consumers=list(group_names), producer=producer, batchnorms=bns,
                             kept_before=before, kept_after=after)
 

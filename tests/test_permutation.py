@@ -328,3 +328,249 @@ def test_parameters_stay_the_same_objects():
         assert isinstance(p, nn.Parameter) and p.requires_grad
     for k, b in model.named_buffers():
         assert b is buffers[k]
+
+
+# ----------------------------------------------------------------------------------------------
+# what the trace does not show: reads elsewhere, hooks, shared memory, reads hidden from tracing
+
+
+class ReadsProducerWeight(nn.Module):
+    """fc1's weight is also used directly: permuting its rows would change the second term."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) + F.linear(x, self.fc1.weight)[:, :8]
+
+
+class ReadsConsumerWeight(MLP):
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        return self.fc3(F.gelu(self.fc2(h))) + self.fc2.weight[:8, 0]  # reads fc2's channels by index
+
+
+class ReadsFirstWeight(MLP):
+    def forward(self, x):
+        return super().forward(x) + F.linear(x, self.fc1.weight)[:, :8]
+
+
+class SharedWithSide(nn.Module):
+    """A second layer holds fc1's weight (tied) and its bias as a view of the same memory."""
+
+    def __init__(self, view: bool):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+        self.side = nn.Linear(16, 32, bias=False)
+        self.side.weight = nn.Parameter(self.fc1.weight.detach()[:]) if view else self.fc1.weight
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) + self.side(x)[:, :8]
+
+
+_HIDDEN: dict[str, torch.Tensor] = {}
+
+
+@torch.fx.wrap
+def _hidden_read(x):
+    return F.linear(x, _HIDDEN["weight"])[:, :8]
+
+
+class HiddenRead(ReadsProducerWeight):
+    """fc1's weight is read where tracing cannot see it (a wrapped function reading a global)."""
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) + _hidden_read(x)
+
+
+def _order_dependent(module, args, out):
+    return out + torch.arange(out.shape[-1], dtype=out.dtype)  # reads the output channels in order
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_left_alone(model, state, x, before):
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    torch.testing.assert_close(model(x), before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("make,names,words,kept", [
+    (ReadsProducerWeight, ["fc2.weight"], {"fc2.weight": ["fc1.weight", "read outside", "by linear"]}, []),
+    # fc2's weight moves in both groups (columns for fc2, rows for fc3)
+    (ReadsConsumerWeight, ["fc2.weight", "fc3.weight"],
+     {"fc2.weight": ["'fc2.weight' is also read"], "fc3.weight": ["'fc2.weight' is also read"]}, []),
+    # only the first group moves fc1's weight: the second is still permuted
+    (ReadsFirstWeight, ["fc2.weight", "fc3.weight"], {"fc2.weight": ["'fc1.weight' is also read"]}, ["fc3.weight"]),
+    (lambda: SharedWithSide(view=False), ["fc2.weight"], {"fc2.weight": ["fc1.weight", "side.weight"]}, []),
+    (lambda: SharedWithSide(view=True), ["fc2.weight"], {"fc2.weight": ["fc1.weight", "side.weight", "memory"]}, []),
+], ids=["producer_weight_read", "consumer_weight_read", "one_of_two_groups", "tied", "view"])
+def test_tensors_used_elsewhere_are_not_moved(make, names, words, kept):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(5, 16)
+    before, state = model(x), _state(model)
+    report = permute_channels(model, names, 2, 4)
+    assert set(report.skipped) == set(words)
+    for name, expected in words.items():
+        for word in expected:
+            assert word in report.skipped[name], report.skipped[name]
+    assert [c for g in report.groups for c in g.consumers] == kept
+    if kept:
+        assert not torch.equal(model.fc2.weight, state["fc2.weight"])  # the kept group did move
+        torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-5)
+    else:
+        _assert_left_alone(model, state, x, before)
+
+
+@pytest.mark.parametrize("where", ["producer", "consumer_pre", "relu", "outer", "grad"])
+def test_hooks_that_would_see_permuted_channels_refuse_the_group(where):
+    torch.manual_seed(0)
+    seen = []
+    model = MLP()
+    if where == "producer":
+        model.fc1.register_forward_hook(_order_dependent)
+    elif where == "consumer_pre":
+        model.fc2.register_forward_pre_hook(lambda mod, args: (args[0] * torch.linspace(0, 1, 64),))
+    elif where == "relu":
+        model.act.register_forward_hook(_order_dependent)
+    elif where == "grad":
+        model.fc1.weight.register_hook(lambda g: g)
+    else:  # a container holding the producer but not the consumer: the permuted tensor crosses it
+        model.fc1 = nn.Sequential(model.fc1)
+        model.fc1.register_forward_hook(lambda mod, args, out: seen.append(out))  # adds no traced op
+    x = torch.randn(5, 16)
+    before, state = model(x), _state(model)
+    report = permute_channels(model, ["fc2.weight"], 2, 4)
+    assert report.groups == []
+    word = {"producer": "forward hook", "consumer_pre": "forward pre-hook", "relu": "'act' has a forward hook",
+            "outer": "holds 'fc1.0'", "grad": "gradient hook"}[where]
+    assert word in report.skipped["fc2.weight"], report.skipped["fc2.weight"]
+    _assert_left_alone(model, state, x, before)
+
+
+def test_global_module_hooks_refuse_everything():
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(5, 16)
+    before, state = model(x), _state(model)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+    try:
+        report = permute_channels(model, ["fc2.weight", "fc3.weight"], 2, 4)
+    finally:
+        handle.remove()
+    assert report.groups == [] and set(report.skipped) == {"fc2.weight", "fc3.weight"}
+    assert all("global module forward hook" in why for why in report.skipped.values())
+    _assert_left_alone(model, state, x, before)
+
+
+def test_a_read_hidden_from_tracing_is_caught_by_the_check_and_undone():
+    torch.manual_seed(0)
+    model = HiddenRead()
+    _HIDDEN["weight"] = model.fc1.weight
+    x = torch.randn(5, 16)
+    before, state = model(x), _state(model)
+    report = permute_channels(model, ["fc2.weight"], 2, 4)
+    why = report.skipped["fc2.weight"]
+    assert "changed the whole model on derived inputs of shape (2, 16)" in why and "left unpermuted" in why, why
+    assert "'fc1' > fc2" in why
+    _assert_left_alone(model, state, x, before)
+
+
+class LinearBN3d(nn.Module):
+    """BatchNorm1d after a Linear on 3-D input normalizes the tokens, not the Linear's features."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(self.bn(self.fc1(x)))
+
+
+def test_batchnorm_after_linear_needs_example_inputs_and_is_checked_on_them():
+    torch.manual_seed(0)
+    model = _randomize_bn(LinearBN3d())
+    x3 = torch.randn(2, 32, 16)  # 32 tokens: BatchNorm1d(32) runs, over the wrong dim
+    before, state = model(x3), _state(model)
+    report = permute_channels(model, ["fc2.weight"], 2, 4)
+    assert "only for 2-D inputs" in report.skipped["fc2.weight"]
+    _assert_left_alone(model, state, x3, before)
+
+    report = permute_channels(model, ["fc2.weight"], 2, 4, example_inputs=(x3,))
+    assert "changed the whole model on example_inputs" in report.skipped["fc2.weight"]
+    _assert_left_alone(model, state, x3, before)
+
+    x2 = torch.randn(6, 16)  # on 2-D inputs the same permutation is right, and kept
+    before2 = model(x2)
+    report = permute_channels(model, ["fc2.weight"], 2, 4, example_inputs=x2)
+    assert [g.batchnorms for g in report.groups] == [["bn"]] and report.checked == "the whole model on example_inputs"
+    assert not torch.equal(model.fc1.weight, state["fc1.weight"])
+    torch.testing.assert_close(model(x2), before2, atol=1e-5, rtol=1e-5)
+
+
+def test_example_inputs_that_do_not_run_are_an_error():
+    with pytest.raises(ValueError, match="failed on example_inputs"):
+        permute_channels(MLP(), ["fc2.weight"], 2, 4, example_inputs=torch.randn(3, 5))
+
+
+class ProducerTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(torch.relu(self.fc1(x)))))
+
+
+class TwoInputs(nn.Module):
+    """Inputs that cannot be derived (the second enters an add): each group runs on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x, y):
+        return self.conv2(F.relu(self.conv1(x))) + y
+
+
+def test_producer_called_twice_is_refused():
+    torch.manual_seed(0)
+    model = ProducerTwice()
+    x = torch.randn(5, 32)
+    before, state = model(x), _state(model)
+    report = permute_channels(model, ["fc2.weight"], 2, 4)
+    assert "called more than once" in report.skipped["fc2.weight"]
+    _assert_left_alone(model, state, x, before)
+
+
+def test_without_derivable_inputs_each_group_is_checked_on_its_layers():
+    torch.manual_seed(0)
+    model = TwoInputs()
+    x, y = torch.randn(2, 3, 6, 6), torch.randn(2, 8, 6, 6)
+    before = model(x, y)
+    report = permute_channels(model, ["conv2.weight"], 2, 4)
+    assert report.checked == "each group's layers on an input for its producer"
+    assert [g.producer for g in report.groups] == ["conv1"]
+    torch.testing.assert_close(model(x, y), before, atol=1e-5, rtol=1e-5)
+    assert "function checked on each group's layers" in str(report)
+
+
+def test_the_check_leaves_no_trace_on_the_model():
+    model = _randomize_bn(CNN()).train()
+    model.bn.momentum = 0.5  # a forward in training mode would move the running statistics
+    rng = torch.get_rng_state()
+    report = permute_channels(model, ["conv3.weight"], 2, 4)
+    assert report.checked.startswith("the whole model on derived inputs") and report.groups
+    assert model.training and model.bn.training
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert int(model.bn.num_batches_tracked) == 0
