@@ -106,8 +106,10 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
             module._buffers.pop(name, None)
     ann = WeightAnnotation(recipe, dim, pending=param.is_meta)
     with torch.no_grad():
-        weight = full(param.detach())
-        state = recipe.example_state(weight, dim) if ann.pending else recipe.init_state(weight, dim)
+        if ann.pending:  # shapes only (a meta DTensor's shape is the whole weight's)
+            state = recipe.example_state(torch.empty(param.shape, dtype=param.dtype, device="meta"), dim)
+        else:
+            state = recipe.init_state(full(param.detach()), dim)
     for key, name in zip(recipe.state_names, ann.buffer_names(param_name)):
         module.register_buffer(name, state[key])
     records.put(module, RECIPES, param_name, ann)

@@ -5,8 +5,8 @@ what the module holds between forwards and what the optimizer updates) and the u
 plain tensor that the module holds during its forward, so the compiled graph sees it). Recipe state
 is kept whole on every rank (buffers are not sharded), so:
 
-- :func:`unsharded` gathers the weights while :func:`nmcompile.annotate` computes state from them
-  and records the annotation on both parameter objects;
+- :func:`nmcompile.annotate` computes state from :func:`full` weights (the recipe record belongs
+  to the owning module, so both parameter objects FSDP2 swaps in and out carry it);
 - mask math at optimizer time (mask refreshes, permutation searches, effective weights) runs on
   :func:`full` weights, identical on every rank;
 - updates of the weight itself (STEP's frozen-moment step) run on :func:`local` shards, with the
@@ -21,12 +21,10 @@ Nothing here imports ``torch.distributed`` unless a sharded weight is present.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
-__all__ = ["is_sharded", "full", "local", "shard_of", "sum_over_ranks", "unsharded", "fsdp_modules"]
+__all__ = ["is_sharded", "full", "local", "shard_of", "sum_over_ranks"]
 
 
 def is_sharded(tensor) -> bool:
@@ -75,27 +73,3 @@ def sum_over_ranks(values: torch.Tensor, params) -> torch.Tensor:
     out = values.clone()
     dist.all_reduce(out, group=sharded.device_mesh.get_group())
     return out
-
-
-def fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-@contextlib.contextmanager
-def unsharded(model: nn.Module):
-    """Within: every FSDP2 module of ``model`` holds its whole, unsharded parameters.
-
-    Writes to the unsharded parameters are not kept: FSDP2 frees them when it reshards.
-    """
-    modules = fsdp_modules(model)
-    for module in modules:
-        module.unshard()
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.reshard()

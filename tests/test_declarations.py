@@ -229,3 +229,19 @@ def test_unsupported_layers_reached_by_a_declaration_are_named():
     for name in ("deconv.weight", "conv3d.weight", "bilinear.weight", "t", "e"):
         assert f"\n  {name}: " in messages[0], (name, messages[0])
     assert "ok.weight" not in messages[0]
+
+
+def test_training_a_finalized_model_is_named_and_the_named_fix_keeps_the_pattern():
+    model = MLP()
+    nmcompile.annotate(model, "sr_ste:2:4")
+    _train(model, torch.compile(model, backend="nmsparse", options=AOT), 2)
+    nmcompile.finalize(model)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="finalized N:M weights fc1.weight, fc2.weight, fc3.weight.*asp:2:4,permute"):
+        torch.compile(model, backend="nmsparse", options=AOT)(torch.randn(2, 16)).sum().backward()
+    model.zero_grad()
+    nmcompile.annotate(model, "asp:2:4,permute=False")
+    torch._dynamo.reset()
+    _train(model, torch.compile(model, backend="nmsparse", options=AOT), 3, seed=1)
+    nmcompile.finalize(model)
+    assert nmcompile.check(model).ok and len(nmcompile.check(model)) == 3

@@ -303,6 +303,25 @@ def _report(ctx: PassContext, strict: bool) -> None:
         )
 
 
+def _warn_if_trained(ctx: PassContext, strict: bool) -> None:
+    """Finalized weights in a graph that computes their gradients would train dense: say so."""
+    if not torch.is_grad_enabled():
+        return
+    trained = [t.fqn for t in ctx.deployed if t.param.requires_grad]
+    if not trained:
+        return
+    message = (
+        f"nmsparse: the finalized N:M weights {', '.join(trained[:4])}{' ...' if len(trained) > 4 else ''} are in "
+        "a graph that computes their gradients, and nothing keeps their pattern: an optimizer step would update "
+        "them dense. To fine-tune and keep the pattern, declare a recipe for them, e.g. "
+        "nmcompile.annotate(model, 'asp:2:4,permute=False') (its mask keeps the current zeros); for inference, "
+        "run under torch.no_grad() or torch.inference_mode(), or call requires_grad_(False)"
+    )
+    if strict:
+        raise ValueError(message)
+    warnings.warn(message, stacklevel=3)
+
+
 def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=None, **kwargs):
     """Dynamo backend: insert the declared N:M recipes into the graph, then compile it."""
     options = dict(options or {})
@@ -329,6 +348,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             )
     else:
         run_passes(work, DEPLOY_PASSES, ctx)
+        _warn_if_trained(ctx, strict)
         if ctx.deployed:
             from .deploy import DeployRunner, record_decisions
 
