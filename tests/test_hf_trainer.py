@@ -2,8 +2,8 @@
 
 A user's Trainer script gains only the nmcompile lines before the Trainer is built:
 ``nmcompile.annotate(model, recipe)`` and ``model.compile(backend="nmsparse")`` (the Trainer's own
-``torch_compile_backend`` rejects names it does not know), plus ``nmcompile.hook_optimizer`` and
-``optimizers=(opt, sched)`` for recipes with a schedule. Checked here: the checkpoint holds the
+``torch_compile_backend`` rejects names it does not know); recipes with a schedule count the
+Trainer's own optimizer steps. Checked here: the checkpoint holds the
 recipe state and ``resume_from_checkpoint`` continues bit-exactly; a stateless recipe works from
 ``NMSPARSE_RECIPE`` alone; a stateful one declared that way and resumed says what it could not
 restore and how to declare it so that it can.
@@ -84,10 +84,7 @@ def train_annotated(out, resume=None):
     model = gpt2()
     report = nmcompile.annotate(model, CLOCKED)  # recipe state becomes buffers, saved in checkpoints
     model.compile(backend="nmsparse", options=AOT)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    nmcompile.hook_optimizer(model, opt)  # the schedules' clock is this optimizer's step
-    sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=6)
-    trainer = trainer_for(model, out, steps=6, save_steps=3, optimizers=(opt, sched))
+    trainer = trainer_for(model, out, steps=6, save_steps=3)  # the Trainer's own optimizer and schedule
     trainer.train(resume_from_checkpoint=resume)
     return model, report, losses(trainer)
 
@@ -120,6 +117,19 @@ def test_checkpoint_holds_recipe_state_and_resume_is_exact(tmp_path):
     # the pruned weights, scaled by exp(-0.3 * 6)
     assert all(n_violations(ea[w], 0) == 0 and n_violations(ea[w], 1) == 0 for w in WEIGHTS if ".mlp." in w)
     assert all(n_violations(ea[w], 0) > 0 for w in WEIGHTS if ".attn." in w)
+
+
+def test_scheduled_recipe_from_the_environment_alone_counts_the_trainers_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("NMSPARSE_RECIPE", "transposable:2:4,every=2")
+    model = gpt2()
+    model.compile(backend="nmsparse", options=AOT)  # the user's script: no nmcompile call at all
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # state made at the first forward (named there)
+        trainer_for(model, tmp_path, steps=4).train()
+    steps = {k: int(v) for k, v in model.state_dict().items() if k.endswith("_nm_step")}
+    assert sorted(k[: -len("_nm_step")] for k in steps) == sorted(WEIGHTS)
+    assert set(steps.values()) == {4}
+    assert nmcompile.check(model).ok
 
 
 def test_stateless_recipe_from_the_environment_alone(tmp_path, monkeypatch, recwarn):
