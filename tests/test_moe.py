@@ -348,6 +348,12 @@ def test_tiny_mixtral_annotate_finalize_onnx(tmp_path):
         loss.backward()
         opt.step()
     nmcompile.finalize(model)
+    # the deploy route keeps expert GEMMs dense (the 2:4 kernels take linear weights), with the reason
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="nmsparse", options=AOT)(ids).logits, model(ids).logits)
+    for name, decision in nmcompile.deploy_report(model).items():
+        assert decision.kernel == "dense" and "per-expert GEMM" in decision.reason, (name, decision)
 
     class Logits(nn.Module):
         def __init__(self, lm):

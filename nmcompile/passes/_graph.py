@@ -220,6 +220,14 @@ def _stacked_use(user: fx.Node, operand: fx.Node) -> tuple[str, int | None]:
     return "gemm", (-3 - dim if swap else dim)  # a swap maps -1 <-> -2
 
 
+def use_name(user: fx.Node, weight: fx.Node) -> str:
+    """How ``user`` consumes ``weight``, in words for a report."""
+    kind = weight_use(user, weight)[0]
+    if kind == "gemm" and _is_stacked_value(weight):
+        return f"a per-expert GEMM (through {user.op} {_name(user.target)})"
+    return kind
+
+
 def unknown_reduction(users, weight: fx.Node) -> str | None:
     """Why the GEMM uses of a stacked weight have no single reduction dim, or None when they do."""
     for user in users:
