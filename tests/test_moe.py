@@ -163,7 +163,7 @@ def test_the_expert_axis_is_never_grouped():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["ste:2:4", "s_ste:2:4", "asp:2:4,permute=0", "transposable:2:4",
+@pytest.mark.parametrize("recipe", ["ste:2:4", "s_ste:2:4", "asp:2:4,permute=0", "transposable:2:4,every=1",
                                     "mdgf:2:4,decay_coef=0,finetune_fraction=0.5,total_steps=2",
                                     "sdgf:2:4,schedule=2:4,total_steps=1", "step:2:4,total_steps=2,t_min=0,t_max=0"])
 def test_recipes_per_expert(recipe):
@@ -337,6 +337,9 @@ def test_tiny_mixtral_annotate_finalize_onnx(tmp_path):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     model = tiny_mixtral("batched_mm")
+    asp = nmcompile.annotate(tiny_mixtral("batched_mm"), "asp:2:4", include=["*experts*"])  # permute on
+    assert set(asp.annotated) == set(EXPERT_WEIGHTS)
+    assert all("stacked (expert) weight" in asp.prepared["asp:2:4"].skipped[name] for name in EXPERT_WEIGHTS)
     report = nmcompile.annotate(model, "sr_ste:2:4", include=["*experts*"])
     assert set(report.annotated) == set(EXPERT_WEIGHTS)
     ids = torch.randint(0, 64, (2, 8))
