@@ -11,7 +11,19 @@ GPT-2 ``Conv1D`` (addmm)    ``[in, out]``   0 (``in``)
 ``nn.Conv1d/2d``            ``[out, in, k..]`` 1 (input channels, one group per output
                                             channel and kernel position: the layout
                                             cuSPARSELt and TensorRT can use)
+MoE experts                 ``[E, out, in]`` -1 (``in`` of each expert)
+MoE experts, transposed     ``[E, in, out]`` -2 (``in`` of each expert)
 ==========================  ==============  ===============================================
+
+**Stacked weights.** A weight of three or more dims whose grouping dimension is given as a
+*negative* number is a stack of independent layers (one per expert, the leading axes), each
+the matrix of its last two axes: ``x @ W``, ``torch.bmm``, ``torch._grouped_mm`` and per-expert
+indexing ``W[e]`` followed by a linear/matmul use such weights. A non-negative dimension on a
+weight of three or more dims is one layer (a convolution, whose kernel positions are groups of
+the same layer). Groups never cross the expert axis either way; what the sign decides is what
+"one layer" means for per-layer quantities (S-STE's scale: one per expert, since each expert is a
+layer of its own) and for masks that span two axes (transposable tiles: per expert, over the last
+two axes). :func:`is_stacked` and :func:`layer_axes` are the one definition.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["NMPattern", "reduction_dim"]
+__all__ = ["NMPattern", "reduction_dim", "is_stacked", "layer_axes", "EXPERT_WEIGHTS"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,28 @@ class NMPattern:
         return None
 
 
+def is_stacked(ndim: int, dim: int) -> bool:
+    """Whether a weight of ``ndim`` dims grouped along ``dim`` is a stack of layers (experts)."""
+    return dim < 0 and ndim >= 3
+
+
+def layer_axes(ndim: int, dim: int) -> tuple[int, ...]:
+    """The axes that span one layer: the last two of a stacked weight, else all of them."""
+    return (ndim - 2, ndim - 1) if is_stacked(ndim, dim) else tuple(range(ndim))
+
+
+#: 3-D parameters of transformers' experts modules (``@use_experts_implementation``): ``[E, out, in]``,
+#: or ``[E, in, out]`` where the module's ``is_transposed`` is True
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "gate_proj", "down_proj")
+
+
+def _expert_dim(module: nn.Module, param_name: str, weight: torch.Tensor) -> int | None:
+    transposed = getattr(module, "is_transposed", None)
+    if param_name in EXPERT_WEIGHTS and weight.dim() == 3 and isinstance(transposed, bool):
+        return -2 if transposed else -1
+    return None
+
+
 def _is_gpt2_conv1d(module: nn.Module) -> bool:
     # transformers' Conv1D stores its weight as [in, out] and calls addmm(bias, x, W).
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
@@ -90,4 +124,4 @@ def reduction_dim(module: nn.Module, param_name: str, weight: torch.Tensor) -> i
         return 0
     if isinstance(module, nn.MultiheadAttention) and param_name.endswith("proj_weight"):
         return 1
-    return None
+    return _expert_dim(module, param_name, weight)

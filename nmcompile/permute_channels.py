@@ -42,6 +42,7 @@ from torch import nn
 
 from . import records
 from .masks.permutation import kept_magnitude, search_permutation
+from .pattern import is_stacked, reduction_dim
 from .permute_checks import (boundary_hooks, global_hooks, graph_reads, module_hooks, other_owners,
                              read_elsewhere, tensor_hooks, tensor_owners)
 from .permute_proof import ModelProbe, Unchecked, derive_inputs, mismatch, run_group
@@ -252,7 +253,12 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0,
     for name in dict.fromkeys(names):
         mod_name, _, attr = name.rpartition(".")
         mod = modules.get(mod_name)
-        if mod is None or attr != "weight" or not isinstance(getattr(mod, "weight", None), nn.Parameter):
+        param = getattr(mod, attr, None) if mod is not None else None
+        dim = reduction_dim(mod, attr, param) if isinstance(param, nn.Parameter) else None
+        if dim is not None and is_stacked(param.dim(), dim):
+            report.skipped[name] = (f"{type(mod).__name__}.{attr} is a stacked (expert) weight; channel permutation "
+                                    "is implemented for nn.Linear, nn.Conv1d and nn.Conv2d (its N:M mask still applies)")
+        elif mod is None or attr != "weight" or not isinstance(getattr(mod, "weight", None), nn.Parameter):
             report.skipped[name] = "not the weight (an nn.Parameter) of a module of the model"
         elif not isinstance(mod, _PRODUCERS):
             report.skipped[name] = f"{type(mod).__name__} is not an nn.Linear, nn.Conv1d or nn.Conv2d"

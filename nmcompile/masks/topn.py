@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ..pattern import is_stacked, layer_axes
+
 __all__ = ["keep_mask", "prune", "prune_row_groups", "soft_threshold", "soft_threshold_scale", "count_violations"]
 
 
@@ -259,12 +261,20 @@ def soft_threshold(w: torch.Tensor, n: int, m: int, dim: int = -1, scale: torch.
 
 
 def soft_threshold_scale(w: torch.Tensor, n: int, m: int, dim: int = -1) -> torch.Tensor:
-    """The least-squares scale beta = <W, S(W)> / <S(W), S(W)> as a 0-d float32 tensor."""
+    """The least-squares scale beta = <W, S(W)> / <S(W), S(W)> per layer, float32.
+
+    A 0-d tensor for one layer; for a stacked (expert) weight (``dim`` negative, three or more
+    dims, see :mod:`nmcompile.pattern`) one scale per expert, shaped ``[E, 1, 1]`` to broadcast.
+    """
     w32 = w.detach().float()
     s = soft_threshold(w32, n, m, dim)
-    ss = (s * s).sum()
+    if is_stacked(w.dim(), dim):
+        axes, keep = layer_axes(w.dim(), dim), True
+    else:
+        axes, keep = tuple(range(w.dim())), False
+    ss = (s * s).sum(axes, keepdim=keep)
     # an all-zero S (e.g. a zero weight) has no best scale; 1 leaves S unchanged
-    return torch.where(ss > 0, (w32 * s).sum() / ss.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+    return torch.where(ss > 0, (w32 * s).sum(axes, keepdim=keep) / ss.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
 
 
 def count_violations(t: torch.Tensor, n: int, m: int, dim: int = -1) -> tuple[int, int]:

@@ -18,6 +18,15 @@ _EMBEDDING = {torch.embedding, F.embedding, F.embedding_bag}
 # [out, in] and goes through linear inside: in_proj_weight is argument 5, out_proj_weight 11.
 _MHA_POSITIONS = (5, 11)
 _MHA_KEYWORDS = ("in_proj_weight", "out_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+# GEMMs of stacked (expert) weights: (a, b) -> a @ b per expert, each operand's matrix its last two axes
+_BATCHED_MM = {*_MATMUL, torch.bmm}
+_BATCHED_MM_METHODS = ("matmul", "bmm", "__matmul__")
+# grouped GEMMs (x [tokens, in], W [E, in, out], offs): torch's, and transformers' fallback op for CPU
+_GROUPED_MM = {f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None}
+_GROUPED_MM_OPS = ("transformers::grouped_mm_fallback",)
+# ops that multiply a weight in a way whose reduction dim nmcompile does not read (a stacked weight
+# used by them is named, not guessed)
+_OTHER_GEMMS = {torch.einsum, torch.tensordot, torch.baddbmm, torch.addbmm, F.bilinear}
 
 
 #: ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)`` as Dynamo records it: a call
@@ -69,6 +78,8 @@ def weight_use(user: fx.Node, weight: fx.Node) -> tuple[str, int | None]:
             return "gemm", 1  # conv(x, W[out, in, k...]): input channels
         if target is torch.addmm and len(args) > 2 and args[2] is weight and weight not in args[:2]:
             return "gemm", 0  # GPT-2 Conv1D: addmm(bias, x, W[in, out])
+        if _is_stacked_value(weight):
+            return _stacked_use(user, weight)
         if target in _MATMUL and len(args) == 2 and args[0] is not args[1]:
             if args[1] is weight:
                 return "gemm", 0  # x @ W[in, out]
@@ -81,8 +92,152 @@ def weight_use(user: fx.Node, weight: fx.Node) -> tuple[str, int | None]:
                 user.kwargs.get(key) is weight for key in _MHA_KEYWORDS
             ):
                 return "gemm", 1
-    name = getattr(target, "__name__", str(target))
-    return f"{user.op} {name}", None
+    elif user.op == "call_method" and _is_stacked_value(weight):
+        return _stacked_use(user, weight)
+    return f"{user.op} {_name(target)}", None
+
+
+def _name(target) -> str:
+    return getattr(target, "__name__", str(target))
+
+
+def _op_name(target) -> str:
+    """``namespace::op`` of a custom op call target (packet or overload), else ``""``."""
+    name = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "_overloadpacket", None), "_qualified_op_name", None)
+    return name or ""
+
+
+# ---- stacked (expert) weights: [E, ..., a, b], one matrix per expert (see nmcompile.pattern)
+
+
+def _value(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _is_stacked_value(node: fx.Node) -> bool:
+    value = _value(node)
+    return value is not None and value.dim() >= 3 and value.is_floating_point()
+
+
+def _batched_gemm_dim(user: fx.Node, operand: fx.Node) -> int | None:
+    """The dim of ``operand`` (counted from the end) that ``user``'s GEMM reduces, or None when
+    ``user`` is not such a GEMM of it.
+
+    ``linear(x, V)``: -1. ``a @ b`` (matmul, bmm, grouped mm): -2 of ``b``, -1 of ``a``.
+    """
+    target, args = user.target, user.args  # a method call's self is args[0]
+    if len(args) < 2 or (args[0] is operand) == (args[1] is operand):
+        return None
+    right = args[1] is operand
+    ndim = _value(operand).dim() if _value(operand) is not None else 0
+    if user.op == "call_function" and target in _LINEAR and right and ndim == 2:
+        return -1  # linear(x, W[e]): W[e] is [out, in]
+    batched = (user.op == "call_function" and target in _BATCHED_MM) or (
+        user.op == "call_method" and target in _BATCHED_MM_METHODS
+    )
+    grouped = user.op == "call_function" and (target in _GROUPED_MM or _op_name(target) in _GROUPED_MM_OPS)
+    if batched and len(args) == 2 and ndim >= 2:
+        return -2 if right else -1
+    if grouped and ndim == 3:  # 2-D x 3-D (tokens grouped by offs) or 3-D x 3-D
+        return -2 if right else -1
+    return None
+
+
+def _is_gemm_like(user: fx.Node) -> bool:
+    target = user.target
+    if user.op == "call_method":
+        return target in (*_BATCHED_MM_METHODS, "baddbmm", "addbmm")
+    return user.op == "call_function" and (
+        target in _BATCHED_MM or target in _GROUPED_MM or target in _OTHER_GEMMS or target in _LINEAR
+        or _op_name(target) in _GROUPED_MM_OPS
+    )
+
+
+def _swaps_matrix_axes(user: fx.Node, operand: fx.Node) -> bool | None:
+    """For a view of ``operand`` that keeps each expert's matrix in its last two axes: whether it
+    swaps them (``transpose(-2, -1)``, ``permute(..., -1, -2)``); None for any other node.
+
+    Views that only select experts (``W[e]``, ``W[expert_ids]``, ``select(0, e)``) swap nothing.
+    """
+    value, out = _value(operand), _value(user)
+    if value is None or out is None or not user.args or user.args[0] is not operand or out.dim() < 2:
+        return None
+    if any(a is operand for a in user.args[1:]) or any(v is operand for v in user.kwargs.values()):
+        return None
+    ndim = value.dim()
+    target, args = user.target, user.args
+    name = target if user.op == "call_method" else _name(target)
+    last_two = {ndim - 2, ndim - 1}
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) == 3:
+        if all(isinstance(a, int) for a in args[1:]) and {a % ndim for a in args[1:]} == last_two:
+            return True
+        return None
+    if name == "permute":
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        if all(isinstance(d, int) for d in dims) and len(dims) == ndim:
+            dims = [d % ndim for d in dims]
+            lead = list(range(ndim - 2))
+            if dims == lead + [ndim - 2, ndim - 1]:
+                return False
+            if dims == lead + [ndim - 1, ndim - 2]:
+                return True
+        return None
+    if name == "select" and len(args) == 3 and args[1] in (0, -ndim):
+        return False
+    if user.op == "call_function" and target is operator.getitem and len(args) == 2:
+        index = args[1]
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        if isinstance(index, (int, torch.SymInt)):
+            return False  # W[e]
+        index_value = _value(index)
+        if index_value is not None and not index_value.is_floating_point() and index_value.dtype is not torch.bool:
+            return False  # W[expert_ids]: integer indices along the expert axis
+    return None
+
+
+def _stacked_use(user: fx.Node, operand: fx.Node) -> tuple[str, int | None]:
+    """How ``user`` consumes a stacked weight (or a view of one): ``("gemm", dim counted from the
+    end)`` through expert views and GEMMs; ``("gemm", None)`` when a GEMM is reached but its
+    reduction dim cannot be told (an unrecognised GEMM, two different dims); else another kind."""
+    dim = _batched_gemm_dim(user, operand)
+    if dim is not None:
+        return "gemm", dim
+    if _is_gemm_like(user):
+        return "gemm", None
+    swap = _swaps_matrix_axes(user, operand)
+    if swap is None:
+        return f"{user.op} {_name(user.target)}", None
+    uses = {_stacked_use(use, user) for use in user.users}
+    gemm_dims = {d for kind, d in uses if kind == "gemm"}
+    if not gemm_dims:
+        kinds = sorted(kind for kind, _ in uses) or ["nothing"]
+        return f"{kinds[0]} through {_name(user.target)}", None
+    if len(uses) > 1 or None in gemm_dims:
+        return "gemm", None  # also another use, or two reduction dims: named by unknown_reduction
+    (dim,) = gemm_dims
+    return "gemm", (-3 - dim if swap else dim)  # a swap maps -1 <-> -2
+
+
+def use_name(user: fx.Node, weight: fx.Node) -> str:
+    """How ``user`` consumes ``weight``, in words for a report."""
+    kind = weight_use(user, weight)[0]
+    if kind == "gemm" and _is_stacked_value(weight):
+        return f"a per-expert GEMM (through {user.op} {_name(user.target)})"
+    return kind
+
+
+def unknown_reduction(users, weight: fx.Node) -> str | None:
+    """Why the GEMM uses of a stacked weight have no single reduction dim, or None when they do."""
+    for user in users:
+        if weight_use(user, weight) == ("gemm", None):
+            return (
+                f"a stacked (expert) weight used through {user.format_node()}, where nmcompile cannot tell "
+                "one reduction dimension (an op it does not read, two different dims, or another use of the "
+                "same view)"
+            )
+    return None
 
 
 _KEY = re.compile(r"\._(modules|parameters|buffers)\['([^']*)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")

@@ -39,7 +39,7 @@ def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         transposed = {f["transposed"] for f in forms if f is not None and f["kind"] == "linear"}
         if len(linear) != len(uses) or not uses or len(transposed) != 1:
             kinds = sorted({
-                "torch.utils.checkpoint" if _graph.checkpoint_inputs(u, node) else _graph.weight_use(u, node)[0]
+                "torch.utils.checkpoint" if _graph.checkpoint_inputs(u, node) else _graph.use_name(u, node)
                 for u in uses if u not in linear
             }) or ["nothing"]
             decision = Decision("dense", f"used by {', '.join(kinds)}; the 2:4 kernels take linear/addmm weights")

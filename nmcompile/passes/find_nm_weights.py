@@ -77,6 +77,8 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
             skip = "tied to an embedding; embeddings and tied weights are never sparsified"
         elif others:
             skip = f"also used by {', '.join(others)}, which nmcompile does not rewrite through"
+        elif None in dims:
+            skip = _graph.unknown_reduction(users, node) or "no single reduction dimension"
         elif len(dims) > 1:
             skip = "used with two different reduction dimensions"
         elif owner is None:

@@ -28,6 +28,7 @@ import torch
 from .. import masks
 from ..masks import bits
 from ..clock import new_step
+from ..pattern import is_stacked
 from ..sharding import full
 from .base import Recipe
 from .transposable import fits_both_axes
@@ -90,6 +91,11 @@ class BiMask(Recipe):
             raise ValueError(f"bi_mask: need candidates >= 0 and every >= 1, got {self.candidates}, {self.every}")
 
     def fits(self, weight, dim):
+        if is_stacked(weight.dim(), dim):
+            return (
+                "bi_mask on a stacked (expert) weight: its output-row permutation is searched per weight matrix, "
+                "and per-expert permutations (one row order per expert, a per-expert DGRAD mask) are not implemented"
+            )
         return fits_both_axes(self, weight, dim)
 
     def init_state(self, weight, dim):

@@ -2,9 +2,12 @@
 
 Forward ``W^ = beta * S(W)``: ``S`` shrinks every weight by the (N+1)-th largest magnitude of its
 group and zeroes the rest, a continuous projection onto N:M. ``beta = <W, S(W)> / <S(W), S(W)>`` is
-one per-tensor scale, computed once from the weights when the weight is first annotated or compiled
-and then kept fixed (recomputing it lets it grow and raises the flip rate). Backward is
-straight-through: the gradient reaches ``W`` unscaled and unmasked. State: ``beta`` (0-d float32).
+one scale per layer (the paper's per-layer definition: one per weight tensor, and one per expert of
+a stacked MoE weight, shaped ``[E, 1, 1]``, since each expert is a layer of its own), computed
+once from the weights when the weight is first annotated or compiled and then kept fixed
+(recomputing it lets it grow and raises the flip rate). Backward is straight-through: the gradient
+reaches ``W`` unscaled and unmasked. State: ``beta`` (float32, 0-d or
+``[E, 1, 1]``).
 
 ``fp8=True`` simulates the paper's FP8 training GEMMs: the forward casts ``X`` and ``W^`` to e4m3,
 both backward GEMMs cast their operands to e5m2, each with a per-tensor scale ``max / amax`` taken

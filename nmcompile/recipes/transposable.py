@@ -1,7 +1,7 @@
 """Transposable N:M masks (Hubara et al., NeurIPS 2021): the same sparse weight serves FWD and DGRAD.
 
 Every M x M tile of the weight matrix (axes 0 and 1; a conv's kernel positions are separate
-matrices) keeps exactly N per row and per column, so ``W`` is N:M along ``in`` and ``W^T`` along
+matrices; a stacked expert weight ``[E, a, b]`` is one matrix per expert, tiled over ``a, b``) keeps exactly N per row and per column, so ``W`` is N:M along ``in`` and ``W^T`` along
 ``out``. The mask is a state tensor computed when the weight is annotated and refreshed from the
 dense weights every ``every`` optimizer steps: 2:4 by the exact best of the 90 tile patterns,
 larger M by a greedy pass with a repair step (``nmcompile.masks.transposable_mask``). Forward ``W * mask``
@@ -18,7 +18,7 @@ from .. import masks
 from ..clock import new_step
 from ..sharding import full
 from ..masks.transposable import transposable_mask
-from ..pattern import NMPattern
+from ..pattern import NMPattern, is_stacked
 from .base import Recipe
 
 
@@ -29,9 +29,22 @@ def straight_through_mask(weight, mask):
 
 
 def fits_both_axes(recipe, weight: torch.Tensor, dim: int) -> str | None:
-    """Tiles span axes 0 and 1: both must take the pattern."""
+    """Tiles span axes 0 and 1 (a stacked expert weight: its last two axes): both must take the pattern."""
     pattern = NMPattern(recipe.n, recipe.m)
+    if is_stacked(weight.dim(), dim):
+        return pattern.fits(weight, dim) or pattern.fits(weight, -3 - dim)
     return pattern.fits(weight, dim) or pattern.fits(weight, 1 - dim if dim in (0, 1) else 0)
+
+
+def tile_mask(weight: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
+    """The transposable mask of ``weight`` as stored state: over axes 0 and 1, or per expert over
+    the last two axes of a stacked weight (the expert axes become the mask's independent batches)."""
+    w = weight.detach()
+    if is_stacked(w.dim(), dim):
+        lead = w.dim() - 2
+        return masks.store_mask(transposable_mask(w.movedim(tuple(range(lead)), tuple(range(-lead, 0))), n, m)
+                                .movedim(tuple(range(-lead, 0)), tuple(range(lead))))
+    return masks.store_mask(transposable_mask(w, n, m))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +64,7 @@ class Transposable(Recipe):
         return fits_both_axes(self, weight, dim)
 
     def init_state(self, weight, dim):
-        return {"step": new_step(weight), "mask": masks.store_mask(transposable_mask(weight.detach(), self.n, self.m))}
+        return {"step": new_step(weight), "mask": tile_mask(weight, self.n, self.m, dim)}
 
     def example_state(self, weight, dim):
         return {"step": new_step(weight), "mask": torch.ones(weight.shape, dtype=masks.STORED_MASK_DTYPE, device=weight.device)}
@@ -65,4 +78,4 @@ class Transposable(Recipe):
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
             if w.step % self.every == 0:
-                w.state["mask"].copy_(transposable_mask(full(w.param.detach()), self.n, self.m))
+                w.state["mask"].copy_(tile_mask(full(w.param.detach()), self.n, self.m, w.ann.dim))
