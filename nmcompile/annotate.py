@@ -114,7 +114,7 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
         for name in old.buffer_names(param_name):
             module._buffers.pop(name, None)
     ann = WeightAnnotation(recipe, dim)
-    with torch.no_grad():
+    with torch.no_grad(), torch.inference_mode(False):  # state made under inference_mode must still train
         state = recipe.init_state(param, dim)
     for key, name in zip(recipe.state_names, ann.buffer_names(param_name)):
         module.register_buffer(name, state[key])
