@@ -81,7 +81,7 @@ def _settle(module: nn.Module, pname: str, ann: WeightAnnotation) -> None:
     if weight.is_meta or any(b is None or b.is_meta for b in buffers):
         return  # still a placeholder: the caller names the problem
     if not any(b._version for b in buffers if not b.is_inference()):
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):
             fresh = ann.recipe.init_state(full(weight.detach()), ann.dim)
             for key, buffer in zip(ann.recipe.state_names, buffers):
                 buffer.copy_(fresh[key])
@@ -105,7 +105,7 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
         for name in old.buffer_names(param_name):
             module._buffers.pop(name, None)
     ann = WeightAnnotation(recipe, dim, pending=param.is_meta)
-    with torch.no_grad():
+    with torch.no_grad(), torch.inference_mode(False):  # state must not be inference tensors
         if ann.pending:  # shapes only (a meta DTensor's shape is the whole weight's)
             state = recipe.example_state(torch.empty(param.shape, dtype=param.dtype, device="meta"), dim)
         else:

@@ -1,6 +1,7 @@
 """The ``nmcompile`` command.
 
     nmcompile check PATH [--pattern 2:4] [--dim 1]   N:M compliance of a state dict (.pt) or an ONNX file
+                                                     (exit 0: complies, 1: violates N:M, 2: unreadable input)
     nmcompile recipes                                the recipes, their keys and defaults
     nmcompile demo [--recipe s_ste:2:4] [--out DIR]  train a character GPT on Shakespeare, plot, finalize, export
     nmcompile report RUN_DIR                         plots of a recorded run
@@ -11,20 +12,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 
 
 from . import recipes
 from .inspection import check
 
 
+#: ``nmcompile check`` exit status: every checked tensor complies / some violate N:M / the input
+#: could not be read, or held no tensor to check (argparse's usage errors exit 2 as well)
+EXIT_OK, EXIT_VIOLATES, EXIT_UNREADABLE = 0, 1, 2
+
+
 def _check(args) -> int:
     try:
-        report = check(args.path, args.pattern, dim=args.dim)
-    except (ValueError, OSError, RuntimeError) as err:
+        with warnings.catch_warnings():  # the unreadable-input message below says what matters, in one line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            report = check(args.path, args.pattern, dim=args.dim)
+    except (ValueError, OSError, RuntimeError, ImportError) as err:
         print(f"nmcompile check: {err}", file=sys.stderr)
-        return 2
+        return EXIT_UNREADABLE
     print(report)
-    return 0 if report.ok else 1
+    if not report:
+        print(f"nmcompile check: {args.path}: no tensor in it could be checked", file=sys.stderr)
+        return EXIT_UNREADABLE
+    return EXIT_OK if report.ok else EXIT_VIOLATES
 
 
 def _recipes(args) -> int:
@@ -54,9 +66,9 @@ def _report(args) -> int:
 
     try:
         paths = write_report(args.run_dir)
-    except (FileNotFoundError, ImportError, ValueError) as err:
+    except (OSError, ImportError, ValueError) as err:
         print(f"nmcompile report: {err}", file=sys.stderr)
-        return 2
+        return EXIT_UNREADABLE
     print("\n".join(paths))
     return 0
 
@@ -66,7 +78,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "check", help="N:M compliance of a saved state dict (packed 2:4 entries included) or an ONNX file",
-        description="Exit status: 0 when every checked tensor complies, 1 when some do not, 2 on unreadable input. "
+        description="Exit status: 0 when every checked tensor complies, 1 when some do not, 2 when the file cannot be "
+        "read (missing, empty, truncated, corrupt, or not a weights-only state dict: a whole pickled model) or holds "
+        "no tensor that could be checked. "
         "ONNX files written by nmcompile.export_onnx are checked with the pattern and axis recorded per initializer.",
     )
     p.add_argument("path", help="a torch.save'd state dict (.pt/.pth) or an .onnx file")
@@ -97,7 +111,7 @@ def main(argv=None) -> int:
         "report", help="plot a recorded run: loss, flip rate, per-layer sparsity, STEP's switch",
         description="Reads RUN_DIR/run.json (written by nmcompile demo, or by nmcompile.save_run from your own "
         "training loop) and writes loss.png, masks.png and "
-        "sparsity.png next to it; prints their paths.",
+        "sparsity.png next to it; prints their paths. Exit status 2 when run.json is missing or malformed.",
     )
     p.add_argument("run_dir", help="a folder written by 'nmcompile demo --out RUN_DIR' or nmcompile.save_run")
     p.set_defaults(run=_report)

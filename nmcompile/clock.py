@@ -29,12 +29,21 @@ class StepMirror:
         self.value = 0
 
     def read(self, step: torch.Tensor) -> int:
-        if step is not self.tensor or step._version != self.version:
+        if step.is_inference():  # (loaded or moved under inference_mode) it has no version counter
+            self.tensor, self.version, self.value = None, -1, int(step)
+        elif step is not self.tensor or step._version != self.version:
             self.tensor, self.version, self.value = step, step._version, int(step)
         return self.value
 
     def advance(self, step: torch.Tensor) -> int:
+        if step.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "nmcompile: a recipe's step counter is an inference tensor (it was loaded or moved under "
+                "torch.inference_mode()), so optimizer steps cannot count on it; load the model's state "
+                "(or call .to()) outside inference_mode before training"
+            )
         value = self.read(step) + 1
         step.add_(1)
-        self.tensor, self.version, self.value = step, step._version, value
+        if not step.is_inference():
+            self.tensor, self.version, self.value = step, step._version, value
         return value

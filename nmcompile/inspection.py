@@ -14,6 +14,7 @@ from .annotate import WeightAnnotation, annotation_of, state_of
 from .pattern import NMPattern
 from .records import owners
 from .sharding import full
+from .state_dicts import find_state_dict, load_state_dict
 
 __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
 
@@ -58,18 +59,28 @@ class WeightCheck:
 
 
 class CheckReport(dict):
-    """``{tensor name: WeightCheck}``; ``skipped`` maps names that were not checked to why."""
+    """``{tensor name: WeightCheck}``; ``skipped`` maps names that were not checked to why.
+
+    ``ok`` holds when at least one tensor was checked and every checked tensor complies: a report
+    that checked nothing is not ok. ``where`` is the place in a checkpoint dict the state dict was
+    found at (``"['model']"``), or ``""``.
+    """
 
     def __init__(self):
         super().__init__()
         self.skipped: dict[str, str] = {}
+        self.where = ""
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.values())
+        return len(self) > 0 and all(c.ok for c in self.values())
 
     def __str__(self) -> str:
-        lines = [f"N:M check: {sum(c.ok for c in self.values())}/{len(self)} tensors comply"]
+        where = f" of checkpoint{self.where}" if self.where else ""
+        if not self:
+            lines = [f"N:M check{where}: no tensor was checked, so none is shown to comply (not ok)"]
+        else:
+            lines = [f"N:M check{where}: {sum(c.ok for c in self.values())}/{len(self)} tensors comply"]
         for name, c in self.items():
             status = "ok" if c.ok else f"{c.violations}/{c.groups} groups violate"
             lines.append(f"  {name}: {c.pattern} along dim {c.dim}: {status}")
@@ -78,6 +89,11 @@ class CheckReport(dict):
 
 
 def _check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NMPattern, dim: int) -> None:
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(
+            f"check: dim={dim} does not exist in {name!r} of shape {tuple(tensor.shape)}; dim is the grouping "
+            f"dimension, from {-tensor.dim()} to {tensor.dim() - 1} (1 for Linear/Conv, 0 for GPT-2 Conv1D)"
+        )
     reason = pattern.fits(tensor, dim)
     if reason is not None:
         report.skipped[name] = reason
@@ -86,25 +102,21 @@ def _check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NM
     report[name] = WeightCheck(pattern, dim, total, bad)
 
 
-def load_state_dict(path) -> dict:
-    """A ``torch.save``'d state dict (or a checkpoint dict with a ``state_dict`` entry) from ``path``."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a state dict (name -> tensor), found {type(state).__name__}")
-    return state
-
-
 def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> CheckReport:
     """N:M compliance per weight of a model (its effective weights) or a state dict.
 
     Args:
         obj: an annotated or finalized ``nn.Module``, a ``{name: tensor}`` state dict (packed 2:4
-            entries are unpacked), or the path of an ``.onnx`` file or a ``torch.save``'d state dict.
+            entries are unpacked) or a checkpoint dict that holds one (``{"model": sd, "epoch": 3}``,
+            see :func:`nmcompile.state_dicts.find_state_dict`), or the path of an ``.onnx`` file or a
+            ``torch.save``'d state dict or checkpoint.
         pattern: ``NMPattern`` or ``"2:4"``. Default: each weight's recipe pattern for a model,
             2:4 for a state dict.
         dim: grouping dimension for state-dict tensors (1 for Linear/Conv, 0 for GPT-2 Conv1D).
+
+    The report's ``ok`` is False when no tensor was checked. Raises ValueError for a file that
+    cannot be read as a state dict or an ONNX model, a checkpoint whose state dict cannot be told
+    apart, and a ``dim`` that a checked tensor does not have.
     """
     pattern = None if pattern is None else NMPattern.of(pattern)
     report = CheckReport()
@@ -125,11 +137,15 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
             from .backends.onnx import check_onnx
 
             return check_onnx(obj, pattern, dim=dim)
-        return check(load_state_dict(obj), pattern, dim=dim)
+        state, where = load_state_dict(obj)
+        report = check(state, pattern, dim=dim)
+        report.where = where
+        return report
     if isinstance(obj, Mapping):
         from .packed import unpack_state_dict
 
-        for name, tensor in unpack_state_dict(obj).items():
+        state, report.where = find_state_dict(obj, "the checkpoint dict")
+        for name, tensor in unpack_state_dict(state).items():
             if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
                 _check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
         return report

@@ -71,13 +71,18 @@ def _check_24(weight: torch.Tensor, what: str) -> None:
         )
 
 
+def _kept_positions(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(i0, i1)``, ``i0 < i1``: the positions :func:`pack` keeps in each group of 4 (last dim)."""
+    # non-zeros first, then zeros, each in index order (a stable sort on == 0)
+    order = torch.sort((groups == 0).to(torch.uint8), dim=-1, stable=True).indices[..., :2]
+    return order.min(-1).values, order.max(-1).values
+
+
 def pack(weight: torch.Tensor) -> Packed24:
     """Pack a 2:4 weight (groups along the last dim) into values + metadata. Exact: see :func:`unpack`."""
     _check_24(weight, "nmcompile.pack")
     groups = weight.unflatten(-1, (-1, 4))
-    # the kept positions: non-zeros first, then zeros, each in index order (a stable sort on ==0)
-    order = torch.sort((groups == 0).to(torch.uint8), dim=-1, stable=True).indices[..., :2]
-    first, second = order.min(-1).values, order.max(-1).values
+    first, second = _kept_positions(groups)
     values = torch.stack([groups.gather(-1, first[..., None])[..., 0], groups.gather(-1, second[..., None])[..., 0]], -1)
     nibbles = (first | (second << 2)).to(torch.int32).unflatten(-1, (-1, GROUPS_PER_WORD))
     shifts = torch.arange(GROUPS_PER_WORD, device=weight.device, dtype=torch.int32) * 4
@@ -87,7 +92,14 @@ def pack(weight: torch.Tensor) -> Packed24:
 
 
 def unpack(packed: Packed24) -> torch.Tensor:
-    """The dense weight (zeros at the dropped positions) that :func:`pack` packed."""
+    """The dense weight (zeros at the dropped positions) that :func:`pack` packed.
+
+    Raises ValueError for metadata that :func:`pack` cannot have written: a group whose two
+    positions are not ``i0 < i1``, or whose kept positions are not the ones ``pack`` picks for the
+    unpacked group (non-zeros first, then the first zeros). Metadata in CUTLASS's order fails that
+    whenever a moved word lands on a group with zeros; a permutation of words that each fit their
+    new group is a valid packing of another weight and cannot be told apart.
+    """
     values, meta = packed.values, packed.meta
     if meta.dtype != torch.int16 or values.shape[-1] != meta.shape[-1] * 2 * GROUPS_PER_WORD:
         raise ValueError(
@@ -97,10 +109,25 @@ def unpack(packed: Packed24) -> torch.Tensor:
     words = meta.to(torch.int32) & 0xFFFF
     shifts = torch.arange(GROUPS_PER_WORD, device=meta.device, dtype=torch.int32) * 4
     nibbles = ((words[..., None] >> shifts) & 0xF).flatten(-2)  # one per group
-    index = torch.stack([nibbles & 3, nibbles >> 2], -1).long()
+    first, second = (nibbles & 3).long(), (nibbles >> 2).long()
     groups = values.unflatten(-1, (-1, 2))
     dense = torch.zeros((*groups.shape[:-1], 4), dtype=values.dtype, device=values.device)
-    dense.scatter_(-1, index, groups)
+    valid = first < second
+    if bool(valid.all()):
+        dense.scatter_(-1, torch.stack([first, second], -1), groups)
+        expected = _kept_positions(dense)
+        valid = (first == expected[0]) & (second == expected[1])
+    if not bool(valid.all()):
+        bad = int((~valid).sum())
+        where = tuple(int(i) for i in (~valid).nonzero()[0])
+        raise ValueError(
+            f"nmcompile.unpack: the metadata is not nmcompile's packed layout: {bad}/{valid.numel()} groups of 4 "
+            f"(the first at group index {where}) hold position codes that nmcompile.pack never writes (two "
+            "positions i0 < i1 per group, the non-zeros first, then the first free zeros, words in row order). "
+            "unpack takes what nmcompile.pack returned; metadata in CUTLASS's order (Packed24.cutlass, "
+            "torch.sparse.to_sparse_semi_structured) or from another tool must be densified there and packed "
+            "with nmcompile.pack"
+        )
     return dense.flatten(-2)
 
 

@@ -33,14 +33,18 @@ def model_record(model) -> dict:
     return {"recipes": recipes, "diagnostics": series, "sparsity": sparsity}
 
 
-def _points(name: str, values) -> list[tuple[int, float]]:
+def _points(name: str, values, where: str = "save_run") -> list[tuple[int, float]]:
     out = []
-    for item in values:
+    try:
+        items = list(values)
+    except TypeError as err:
+        raise ValueError(f"{where}: {name} must be a list of (optimizer step, value) pairs, got {values!r}") from err
+    for item in items:
         try:
             step, value = item
             out.append((int(step), float(value)))
         except (TypeError, ValueError) as err:
-            raise ValueError(f"save_run: {name} must be (optimizer step, value) pairs, got {item!r}") from err
+            raise ValueError(f"{where}: {name} must be (optimizer step, value) pairs, got {item!r}") from err
     return out
 
 
@@ -67,6 +71,7 @@ def save_run(run_dir, model, *, loss=(), eval=(), eval_name: str = "evaluation",
 
 
 def load_run(run_dir) -> dict:
+    """``run_dir/run.json`` with its entries checked: ValueError names what a malformed file lacks."""
     path = os.path.join(os.fspath(run_dir), "run.json")
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -74,7 +79,53 @@ def load_run(run_dir) -> dict:
             "or by nmcompile.report.save_run(RUN_DIR, model, loss=...) from your own training loop"
         )
     with open(path) as handle:
-        return json.load(handle)
+        try:
+            run = json.load(handle)
+        except ValueError as err:
+            raise ValueError(f"{path}: not a run record: not valid JSON ({err})") from err
+    return _checked_run(run, path)
+
+
+_SERIES = ("flip_rate", "sad", "z")
+
+
+def _checked_run(run, path: str) -> dict:
+    """``run`` with its series as (step, value) pairs, or ValueError naming what does not fit."""
+    fix = "run.json is written by 'nmcompile demo' or nmcompile.report.save_run; rewrite it with save_run"
+    if not isinstance(run, dict):
+        raise ValueError(f"{path}: not a run record: expected a JSON object, got {type(run).__name__}; {fix}")
+    if "loss" not in run:
+        raise ValueError(f"{path}: not a run record: it has no 'loss' entry; {fix}")
+    run = dict(run)
+    for key in ("loss", "eval"):
+        run[key] = _points(key, run.get(key, []), path)
+    for key in ("recipe", "eval_name"):
+        if key in run and not isinstance(run[key], str):
+            raise ValueError(f"{path}: {key} must be a string, got {run[key]!r}; {fix}")
+    diag = run.get("diagnostics", {})
+    if not isinstance(diag, dict) or not all(isinstance(entry, dict) for entry in diag.values()):
+        raise ValueError(f"{path}: diagnostics must map each weight to an object of series; {fix}")
+    for name, entry in diag.items():
+        for key, value in entry.items():
+            try:
+                torch.tensor(value, dtype=torch.float64)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise ValueError(f"{path}: diagnostics[{name!r}][{key!r}] must be numbers, got {value!r}; {fix}") from err
+        switch = entry.get("switch_step", -1)
+        if isinstance(switch, bool) or not isinstance(switch, int):
+            raise ValueError(f"{path}: diagnostics[{name!r}]['switch_step'] must be an optimizer step, got {switch!r}; {fix}")
+        for key in _SERIES:
+            steps = entry.get(f"{key}_steps")
+            if key in entry and (not isinstance(entry[key], list) or not isinstance(steps, list) or len(steps) != len(entry[key])):
+                raise ValueError(
+                    f"{path}: diagnostics[{name!r}][{key!r}] needs a list {key}_steps of the same length; {fix}"
+                )
+    sparsity = run.get("sparsity", {})
+    if not isinstance(sparsity, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in sparsity.values()
+    ):
+        raise ValueError(f"{path}: sparsity must map each weight to a fraction of zeros, got {sparsity!r}; {fix}")
+    return run
 
 
 def _figure(rows: int, height: float = 2.8):
@@ -102,7 +153,7 @@ def write_report(run_dir) -> list[str]:
     if run["loss"]:
         steps, values = zip(*run["loss"])
         loss_ax.plot(steps, values, linewidth=1)
-    loss_ax.set_title(f"training loss ({run['recipe']})", fontsize=9)
+    loss_ax.set_title(f"training loss ({run.get('recipe', 'recipe not recorded')})", fontsize=9)
     if run["eval"]:
         steps, values = zip(*run["eval"])
         eval_ax.plot(steps, values, marker="o", markersize=3, linewidth=1)

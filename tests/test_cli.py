@@ -1,13 +1,24 @@
+import json
+import pickle
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import nmcompile
+from nmcompile.cli import main
 
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "nmcompile.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def run_here(capsys, *args):
+    """``(exit status, stdout, stderr)`` of the command run in this process (an exception fails the test)."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_check_reports_compliance_and_sets_exit_code(tmp_path):
@@ -26,3 +37,86 @@ def test_recipes_lists_keys_and_defaults():
     out = run("recipes")
     assert out.returncode == 0
     assert "sr_ste:N:M  (wgrad=dense, decay=0.0002)" in out.stdout
+
+
+class _NotAStateDict:
+    pass
+
+
+def unreadable_files(tmp_path):
+    sd = {"fc.weight": nmcompile.masks.prune(torch.randn(8, 16), 2, 4, 1)}
+    files = {}
+    files["empty.pt"] = b""
+    torch.save(sd, tmp_path / "full.pt")
+    whole = (tmp_path / "full.pt").read_bytes()
+    files["truncated.pt"] = whole[: len(whole) // 2]
+    files["garbage.pt"] = b"hello, this is not a checkpoint"
+    files["plain-pickle.pt"] = pickle.dumps({"fc.weight": [1.0, 2.0]}, protocol=4)
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    torch.save(torch.nn.Linear(16, 8), tmp_path / "whole-model.pt")  # needs weights_only=False
+    torch.save({"fc.weight": sd["fc.weight"], "extra": _NotAStateDict()}, tmp_path / "object.pt")
+    names = [*files, "whole-model.pt", "object.pt", "missing.pt", "no-tensors.pt", "biases-only.pt"]
+    torch.save({"epoch": 3, "note": "no weights"}, tmp_path / "no-tensors.pt")
+    torch.save({"fc.bias": torch.zeros(8)}, tmp_path / "biases-only.pt")  # nothing 2-D to check
+    return names
+
+
+def test_check_gives_unreadable_input_its_own_exit_code_and_one_line(tmp_path, capsys):
+    for name in unreadable_files(tmp_path):
+        code, _, err = run_here(capsys, "check", str(tmp_path / name))
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (name, code, err)
+        assert lines[0].startswith("nmcompile check: ") and name in lines[0], (name, err)
+    out = run("check", str(tmp_path / "whole-model.pt"))  # the installed command: no traceback either
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "save model.state_dict()" in out.stderr, out.stderr
+
+
+def test_check_of_unreadable_onnx_files_exits_2(tmp_path, capsys):
+    pytest.importorskip("onnx")
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "corrupt.onnx").write_bytes(b"\x08\x07garbage\xff\xff\xff" * 20)
+    for name in ("empty.onnx", "corrupt.onnx"):
+        code, out, err = run_here(capsys, "check", str(tmp_path / name))
+        assert code == 2 and err.startswith(f"nmcompile check: {tmp_path / name}: not ") and err.count("\n") == 1, err
+
+
+def test_check_finds_the_state_dict_in_a_checkpoint(tmp_path, capsys):
+    w = torch.randn(8, 16)
+    torch.save({"model": {"fc.weight": w}, "epoch": 3}, tmp_path / "bad.pt")
+    torch.save({"model": {"fc.weight": nmcompile.masks.prune(w, 2, 4, 1)}, "epoch": 3,
+                "optimizer": {"state": {0: {"exp_avg": w}}}}, tmp_path / "good.pt")
+    code, out, _ = run_here(capsys, "check", str(tmp_path / "bad.pt"))
+    assert code == 1 and "32/32 groups violate" in out and "['model']" in out
+    code, out, _ = run_here(capsys, "check", str(tmp_path / "good.pt"))
+    assert code == 0 and "1/1 tensors comply" in out
+
+
+def test_report_of_malformed_run_json_exits_2_with_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    bad = {
+        "not-json": "{loss: [",
+        "a-list": "[1, 2]",
+        "no-loss": json.dumps({"eval": [], "recipe": "sr_ste:2:4"}),
+        "loss-not-pairs": json.dumps({"loss": [1, 2, 3], "eval": [], "recipe": "x"}),
+        "loss-not-list": json.dumps({"loss": 3, "recipe": "x"}),
+        "diagnostics-lengths": json.dumps({"loss": [[1, 0.5]], "recipe": "x", "diagnostics": {
+            "fc.weight": {"flip_rate": [0.1, 0.2], "flip_rate_steps": [1]}}}),
+        "diagnostics-text": json.dumps({"loss": [[1, 0.5]], "recipe": "x", "diagnostics": {
+            "fc.weight": {"sad": ["a"], "sad_steps": [1]}}}),
+        "switch-list": json.dumps({"loss": [[1, 0.5]], "recipe": "x", "diagnostics": {
+            "fc.weight": {"switch_step": [3]}}}),
+        "sparsity-text": json.dumps({"loss": [[1, 0.5]], "recipe": "x", "sparsity": {"fc.weight": "half"}}),
+    }
+    for name, text in bad.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(text)
+        code, _, err = run_here(capsys, "report", str(tmp_path / name))
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and str(tmp_path / name / "run.json") in lines[0], (name, err)
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "run.json").write_text(json.dumps({"loss": [[1, 0.5], [2, 0.4]], "diagnostics": {
+        "fc.weight": {"flip_rate": [0.1], "flip_rate_steps": [1], "switch_step": -1}}, "sparsity": {"fc.weight": 0.5}}))
+    code, _, err = run_here(capsys, "report", str(good))
+    assert code == 0 and (good / "loss.png").exists() and (good / "masks.png").exists(), err

@@ -143,3 +143,43 @@ def test_sdgf_rejects_bad_declarations():
         nmcompile.recipe("sdgf:1:8,total_steps=10,schedule=4:8/2:8")
     report = nmcompile.annotate(nn.Linear(32, 8), "sdgf:1:8,total_steps=10,schedule=geometric")
     assert "64" in report.skipped["weight"]  # the 8:64 frame needs in % 64 == 0
+
+
+@pytest.mark.parametrize("route", ["annotate", "options"])
+@pytest.mark.parametrize(
+    "spec", ["mdgf:2:4", "sdgf:1:8,total_steps=100", "transposable:2:4,every=2", "step:2:4,total_steps=100"]
+)
+def test_first_call_under_inference_mode_then_training_counts_steps(spec, route):
+    """State created on a first call under inference_mode must be ordinary tensors: training updates it."""
+    model = mlp()
+    x = torch.randn(8, 64)
+    if route == "annotate":
+        nmcompile.annotate(model, spec)
+        compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
+    else:
+        compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", "recipe": spec})
+    with torch.inference_mode():
+        first = compiled(x)
+    effective = nmcompile.effective_weights(model)
+    assert set(effective) == {"0.weight", "2.weight"}
+    h = torch.relu(x @ effective["0.weight"].T + model[0].bias)
+    torch.testing.assert_close(first, h @ effective["2.weight"].T + model[2].bias)
+    assert not any(b.is_inference() for b in model.buffers())
+    train(model, compiled, steps=3)
+    assert int(model[0].weight_nm_step) == 3 and int(model[2].weight_nm_step) == 3
+    with torch.inference_mode():
+        compiled(x)
+    train(model, compiled, steps=1)
+    assert int(model[0].weight_nm_step) == 4
+
+
+def test_clock_reads_an_inference_step_and_refuses_to_count_on_it():
+    from nmcompile.clock import StepMirror
+
+    clock = StepMirror()
+    with torch.inference_mode():
+        step = torch.full((), 5, dtype=torch.int64)
+        assert clock.read(step) == 5 and clock.advance(step) == 6  # inside inference_mode it can count
+    assert clock.read(step) == 6
+    with pytest.raises(RuntimeError, match="inference tensor.*outside inference_mode"):
+        clock.advance(step)

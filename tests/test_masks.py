@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import nmcompile
 from nmcompile import masks
 from nmcompile.pattern import NMPattern
 
@@ -172,3 +173,50 @@ def test_prune_when_switches_between_prune_and_identity(n, m, shape, dim, compil
         out.backward(g)
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
         torch.testing.assert_close(wr.grad, g + decay * (w - expected))
+
+
+@pytest.mark.parametrize("n,m", [(1, 32), (3, 32), (17, 32), (1, 1024), (100, 1024)], ids=str)
+def test_large_groups_match_reference_with_ties(n, m):
+    """Groups larger than PAIRWISE_MAX_M sort instead of comparing every pair: same masks, same ties."""
+    assert m > masks.topn.PAIRWISE_MAX_M
+    torch.manual_seed(0)
+    w = torch.randint(-2, 3, (8, 4096)).float()  # many ties
+    w[0].zero_()  # all-zero groups
+    expected = reference.topn_mask(w, n, m, 1)
+    assert (expected.unflatten(1, (-1, m)).sum(-1) == n).all()
+    torch.testing.assert_close(masks.keep_mask(w, n, m, 1), expected, rtol=0, atol=0)
+    torch.testing.assert_close(masks.prune(w, n, m, 1), w * expected, rtol=0, atol=0)
+    torch.testing.assert_close(masks.keep_mask(w.t(), n, m, 0), expected.t(), rtol=0, atol=0)
+    torch.testing.assert_close(masks.soft_threshold(w, n, m, 1), reference.soft_threshold(w, n, m, 1), rtol=0, atol=0)
+    if (n, m) == (3, 32):  # Inductor's code for the sort
+        torch.testing.assert_close(torch.compile(masks.prune)(w, n, m, 1), w * expected, rtol=0, atol=0)
+
+
+def test_prune_row_groups_of_large_groups_matches_reference():
+    torch.manual_seed(0)
+    w = torch.randint(-2, 3, (64, 24)).float()
+    order = torch.randperm(64)
+    expected = torch.empty_like(w)
+    expected[order] = w[order] * reference.topn_mask(w[order], 3, 32, 0)
+    torch.testing.assert_close(masks.prune_row_groups(w, order, 3, 32), expected, rtol=0, atol=0)
+
+
+def test_large_groups_keep_nan_and_exactly_n():
+    w = torch.randn(4, 64)
+    w[1, 5] = float("nan")
+    keep = masks.keep_mask(w, 2, 64, 1)
+    assert keep[1, 5] and (keep.sum(1) == 2).all()
+    assert masks.soft_threshold(w, 2, 64, 1)[1].isnan().all()  # as for small groups: t is NaN
+
+
+def test_one_of_4096_needs_memory_linear_in_the_weight():
+    """Comparing every pair in each group would take 256 * 4096 * 4096 bools and int32 ranks (~20 GB)."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 4096)
+    keep = masks.keep_mask(w, 1, 4096, 1)
+    assert torch.equal(keep.nonzero()[:, 1], w.abs().argmax(1))
+    assert torch.equal(masks.prune(w, 1, 4096, 1), w * keep)
+    soft = masks.soft_threshold(w, 1, 4096, 1)
+    assert (soft != 0).sum(1).le(1).all() and torch.equal(soft != 0, keep & (soft != 0))
+    projected = nmcompile.recipe("sr_ste:1:4096").project(w, dim=1)
+    assert torch.equal(projected, w * keep)

@@ -73,3 +73,36 @@ def test_bad_input_gets_errors_that_say_how_to_fix_it():
         nmcompile.pack_state_dict({"w": torch.randn(4, 16)}, names={"w"})
     with pytest.raises(ValueError, match="rows divisible by 32"):
         nmcompile.pack(pruned((16, 32), torch.float16)).cutlass()
+
+
+def _packed_with_zero_groups():
+    torch.manual_seed(0)
+    w = pruned((32, 64), torch.float16)
+    w[:, :8] = 0  # all-zero groups
+    w[3, 16:20] = torch.tensor([0.0, 0.0, 5.0, 0.0])  # one non-zero
+    return w
+
+
+def test_unpack_refuses_metadata_that_is_not_nmcompile_s_layout():
+    w = _packed_with_zero_groups()
+    packed = nmcompile.pack(w)
+    assert torch.equal(nmcompile.unpack(packed), w)
+    not_ours = {
+        "torch's CUTLASS conversion": sparse_semi_structured_from_dense_cutlass(w),
+        "Packed24.cutlass order": packed.cutlass(),
+    }
+    equal_indices = packed.meta.clone()
+    equal_indices[0, 0] = 0  # four groups coded (0, 0)
+    not_ours["two equal indices"] = (packed.values, equal_indices)
+    reversed_pair = packed.meta.clone()
+    reversed_pair[5, 1] = (reversed_pair[5, 1] & ~0xF) | (1 | 0 << 2)  # (i0, i1) = (1, 0)
+    not_ours["i0 > i1"] = (packed.values, reversed_pair)
+    for what, (values, meta) in not_ours.items():
+        try:
+            nmcompile.unpack(nmcompile.Packed24(values, meta))
+        except ValueError as err:
+            assert "not nmcompile's packed layout" in str(err), what
+        else:
+            pytest.fail(f"unpack accepted metadata with {what}")
+    with pytest.raises(ValueError, match="not nmcompile's packed layout"):
+        nmcompile.unpack_state_dict({"w": packed.values, "w" + META_SUFFIX: equal_indices})

@@ -134,3 +134,27 @@ def test_recipe_strings_round_trip():
         assert recipes.parse(str(r)) == r
     assert recipes.parse("sr_ste:2:4,decay=2e-4") == recipes.SRSTE(decay=2e-4)
     assert nmcompile.recipe("s_ste:1:4") == recipes.SSTE(n=1, m=4)
+
+
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("spec", [
+    "sr_ste:2:4,decay={}", "mdgf:2:4,decay_coef={}", "bi_mask:2:4,decay={}", "step:2:4,total_steps=100,decay={}",
+    "step:2:4,total_steps=100,beta2={}", "mdgf:2:4,total_steps=100,dense_fraction={}",
+])
+def test_non_finite_hyperparameters_are_refused_naming_recipe_and_key(spec, bad):
+    text = spec.format(bad)
+    name, key = text.split(":")[0], text.rsplit(",", 1)[1].split("=")[0]
+    with pytest.raises(ValueError, match=rf"^{name}: {key}={bad} is not a finite number"):
+        nmcompile.recipe(text)
+    with pytest.raises(ValueError, match="not a finite number"):  # the object route checks too
+        recipes.get(name, **{key: float(bad)}, **({"total_steps": 100} if name == "step" else {}))
+
+
+def test_recipe_string_refuses_pattern_keys_and_duplicate_keys():
+    with pytest.raises(ValueError, match=r"n is not a key.*NAME:N:M, e\.g\. sr_ste:3:4"):
+        nmcompile.recipe("sr_ste:2:4,n=3")
+    with pytest.raises(ValueError, match=r"m is not a key.*e\.g\. sr_ste:2:8"):
+        nmcompile.recipe("sr_ste,m=8")
+    with pytest.raises(ValueError, match="decay is given twice"):
+        nmcompile.recipe("sr_ste:2:4,decay=1e-4,decay=2e-4")
+    assert nmcompile.recipe("sr_ste:3:4,decay=1e-4") == recipes.SRSTE(n=3, m=4, decay=1e-4)

@@ -184,12 +184,19 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1) -> Check
 
     Initializers recorded by :func:`export_onnx` are checked with their recorded pattern and axis;
     without a record, every >= 2-D floating initializer is checked with ``pattern`` (default 2:4)
-    along ``dim``.
+    along ``dim``. A file that is not an ONNX model (empty, truncated, corrupt) raises ValueError;
+    a model without such initializers gives a report that is not ok.
     """
     onnx = _import("onnx")
+    from google.protobuf.message import DecodeError
     from onnx import numpy_helper
 
-    proto = onnx.load(os.fspath(path))
+    try:
+        proto = onnx.load(os.fspath(path))
+    except DecodeError as err:
+        raise ValueError(f"{os.fspath(path)}: not a readable ONNX model (truncated or corrupt? {err})") from None
+    if not proto.HasField("graph"):
+        raise ValueError(f"{os.fspath(path)}: not an ONNX model: it holds no graph (an empty or truncated file?)")
     meta = {p.key: p.value for p in proto.metadata_props}
     recorded = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
     report = CheckReport()

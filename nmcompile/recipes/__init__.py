@@ -100,5 +100,13 @@ def parse(spec: str | Recipe) -> Recipe:
         if not sep:
             raise ValueError(f"recipe {spec!r}: expected key=value, got {pair!r}")
         key = key.strip()
+        if key in ("n", "m"):
+            nm_example = {"n": overrides.get("n", 2), "m": overrides.get("m", 4), key: value.strip()}
+            raise ValueError(
+                f"recipe {spec!r}: {key} is not a key; the pattern is written after the name as NAME:N:M, "
+                f"e.g. {name}:{nm_example['n']}:{nm_example['m']}"
+            )
+        if key in overrides:
+            raise ValueError(f"recipe {spec!r}: {key} is given twice; give each key once")
         overrides[key] = _convert(cls, key, value.strip())
     return get(name, **overrides)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,6 +47,13 @@ class Recipe:
     wgrad: str = "dense"  # weight-gradient estimator
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # inf or nan in any hyperparameter makes the weights NaN
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(
+                    f"{self.name}: {f.name}={value} is not a finite number; {f.name} takes a finite float "
+                    f"(default {f.default!r}), e.g. {self.name}:N:M,{f.name}={f.default!r}"
+                )
         NMPattern(self.n, self.m)
         if self.wgrad not in WGRAD_CHOICES:
             raise ValueError(
