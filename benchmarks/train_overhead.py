@@ -11,8 +11,8 @@ each with the dense model under the same optimizer.
 
 Variants:
   dense       torch.compile(backend="inductor")
-  nm/<r>      torch.compile(backend="nmsparse") with recipe <r> (SPECS below), plus
-              nmcompile.hook_optimizer on the Adam optimizer (schedules; diagnostics with --diagnostics-every);
+  nm/<r>      torch.compile(backend="nmsparse") with recipe <r> (SPECS below); schedules count the Adam
+              optimizer's steps by themselves (nmcompile.hook_optimizer only with --diagnostics-every);
               the default projections="auto", which on the CPU shares one mask kernel among the weights
               of a shape that three or more weights have
   inline/<r>  (with --inline) the same with options={"projections": "inline"}: each weight's mask math
@@ -149,7 +149,7 @@ def build(variant: str, adam: str):
         model = nn.Sequential(*[SwapLinear(m, recipe) if isinstance(m, nn.Linear) else m for m in model])
         run = model
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, **ADAMS[adam])
-    if variant.startswith(("nm/", "inline/")):
+    if variant.startswith(("nm/", "inline/")) and DIAGNOSTICS_EVERY:
         nmcompile.hook_optimizer(model, opt, diagnostics_every=DIAGNOSTICS_EVERY)
     return model, run, opt
 

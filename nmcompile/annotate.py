@@ -44,6 +44,9 @@ class WeightAnnotation:
     clock: StepMirror = field(default_factory=StepMirror, compare=False, repr=False)
     trace: Trace = field(default_factory=Trace, compare=False, repr=False)  # diagnostics
     pending: bool = field(default=False, compare=False)  # state not computed yet (meta weight)
+    consumed: bool = field(default=False, compare=False)  # an nmsparse graph has run with it
+    # the step driver, held while the record lives (see nmcompile.optimizer_hook)
+    driver: object = field(default=None, compare=False, repr=False)
 
     __hash__ = None  # mutable (pending); compare by (recipe, dim)
 
@@ -90,7 +93,7 @@ def _settle(module: nn.Module, pname: str, ann: WeightAnnotation) -> None:
         ann.clock.read(module._buffers[ann.buffer_names(pname)[ann.recipe.state_names.index("step")]])
 
 
-def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> WeightAnnotation:
+def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int, name: str | None = None) -> WeightAnnotation:
     """Record ``recipe`` for ``module.<param_name>`` and create its state from the current weight.
 
     Re-attaching the same recipe keeps the existing state (S-STE's beta is computed once). A weight
@@ -110,9 +113,13 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int) -> Weig
             state = recipe.example_state(torch.empty(param.shape, dtype=param.dtype, device="meta"), dim)
         else:
             state = recipe.init_state(full(param.detach()), dim)
-    for key, name in zip(recipe.state_names, ann.buffer_names(param_name)):
-        module.register_buffer(name, state[key])
+    for key, buffer in zip(recipe.state_names, ann.buffer_names(param_name)):
+        module.register_buffer(buffer, state[key])
     records.put(module, RECIPES, param_name, ann)
+    from .optimizer_hook import driver  # (imports this module)
+
+    ann.driver = driver()  # counts steps, and names a declared weight that trains without any nmsparse graph
+    ann.driver.watch_module(module, param_name, name or param_name)
     records.drop(module, records.DEPLOYED, param_name)  # a finalized weight that trains again
     _hook(module)
     if recipe.clocked and not ann.pending:  # the clock follows this buffer (and loads into it) from now on
@@ -289,7 +296,7 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
             _check_preparable(recipe, weights)
         report.prepared[str(recipe)] = recipe.prepare(records.root(model), [n for n, _ in weights])
     for name, module, pname, recipe, dim in chosen:
-        attach(module, pname, recipe, dim)
+        attach(module, pname, recipe, dim, name)
         report.annotated[name] = recipe
     if not chosen:
         warnings.warn(f"nmcompile.annotate: no weight was annotated\n{report}", stacklevel=2)

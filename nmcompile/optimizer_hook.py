@@ -1,9 +1,10 @@
 """Running recipe schedules on the user's optimizer steps, with no call in the user's code.
 
 Recipes with a schedule (``step``, ``mdgf``, ``sdgf``, ``transposable``, ``bi_mask``) count
-optimizer steps. While something that needs those counts is alive (a model compiled by the
-``nmsparse`` backend with such a recipe, or an :class:`OptimizerHook` from
-:func:`hook_optimizer`), one :class:`StepDriver` holds PyTorch's *global* optimizer step hooks
+optimizer steps. While something that needs those counts is alive (a recipe record made by any
+declaration route, a model compiled by the ``nmsparse`` backend with a scheduled recipe, or an
+:class:`OptimizerHook` from :func:`hook_optimizer`), one :class:`StepDriver` holds PyTorch's
+*global* optimizer step hooks
 (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``, public API; no
 optimizer object or class is changed). They are removed when the last such owner is garbage
 collected. On every ``step()`` of any ``torch.optim.Optimizer``, for the annotated weights of the
@@ -15,13 +16,16 @@ modules the driver watches that this optimizer updates:
    ``after_step`` runs its schedule (refresh a mask every k steps, re-search a permutation).
 
 An optimizer step that does not run (a gradient scaler skipping a step with inf gradients) counts
-nothing, and gradient accumulation counts one per ``step()``. :func:`hook_optimizer` adds mask
+nothing, and gradient accumulation counts one per ``step()``. The driver also names, once, each
+declared weight that gets a gradient although no ``nmsparse`` graph has used it: a layer that
+trains dense without a word is the failure this guards against. :func:`hook_optimizer` adds mask
 diagnostics and a finite check for one optimizer; calling it again replaces its settings.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -87,6 +91,10 @@ class StepDriver:
         ]
         weakref.finalize(self, _remove, handles)
 
+    def __reduce__(self):
+        """A copied or unpickled record gets this process's live driver, not a copy of its hooks."""
+        return (driver, ())
+
     def watch(self, model: nn.Module) -> None:
         """Count steps for the annotated weights of ``model`` and its submodules."""
         for name, places in records.owners(model):
@@ -126,6 +134,7 @@ class StepDriver:
             settings = self.settings.get(optimizer)
             if settings is not None and settings.check_finite:
                 _raise_if_not_finite(per.groups, per.steps + 1)
+            _warn_if_never_compiled(per.groups)
             for recipe, weights in per.groups.items():
                 recipe.before_step(weights, optimizer)
 
@@ -175,6 +184,25 @@ def driver() -> StepDriver:
         live = StepDriver()
         _DRIVER = weakref.ref(live)
     return live
+
+
+def _warn_if_never_compiled(groups) -> None:
+    """Name (once each) declared weights that get a gradient but that no nmsparse graph has used."""
+    dense = []
+    for weights in groups.values():
+        for w in weights:
+            if not w.ann.consumed and w.param.grad is not None and not w.scratch.get("named"):
+                w.scratch["named"] = True
+                dense.append(f"{w.name} ({w.ann.recipe})")
+    if dense:
+        warnings.warn(
+            f"nmcompile: {', '.join(dense[:6])}{' ...' if len(dense) > 6 else ''} are declared but no "
+            "torch.compile(..., backend='nmsparse') graph has used them, so this optimizer step trains them "
+            "dense. Their layers ran outside every compiled graph: the model (or the block holding them) is "
+            "not compiled with backend='nmsparse', a graph break runs them eagerly, or each layer is an FSDP2 "
+            "unit of its own (apply fully_shard to the blocks that contain the layers, not to the layers)",
+            stacklevel=3,
+        )
 
 
 def _raise_if_not_finite(groups, step: int) -> None:

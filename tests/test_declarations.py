@@ -245,3 +245,19 @@ def test_training_a_finalized_model_is_named_and_the_named_fix_keeps_the_pattern
     _train(model, torch.compile(model, backend="nmsparse", options=AOT), 3, seed=1)
     nmcompile.finalize(model)
     assert nmcompile.check(model).ok and len(nmcompile.check(model)) == 3
+
+
+def test_a_declared_weight_that_trains_without_any_nmsparse_graph_is_named_once():
+    model = MLP()
+    nmcompile.annotate(model, "s_ste:2:4", exclude=["fc3"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, model, 3)  # eager: the declaration never reaches a graph
+    named = [str(w.message) for w in caught if "no torch.compile(..., backend='nmsparse') graph" in str(w.message)]
+    assert len(named) == 1 and "fc1.weight (s_ste:2:4), fc2.weight (s_ste:2:4)" in named[0], named
+    compiled_model = MLP()
+    nmcompile.annotate(compiled_model, "s_ste:2:4")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(compiled_model, torch.compile(compiled_model, backend="nmsparse", options=AOT), 2)
+    assert not [w for w in caught if "no torch.compile" in str(w.message)]

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from _distributed import RECIPES, STEPS, STOP, WORLD, Net, nm_ok, rank_loss, run_ranks, snapshot, train
+from _distributed import RECIPES, STEPS, STOP, WORLD, Net, batch, nm_ok, rank_loss, run_ranks, snapshot, train
 
 import nmcompile
 
@@ -139,3 +139,57 @@ def test_torchtitan_order_trains_saves_and_resumes_every_recipe(tmp_path):
                     # first forward, after the load, and that forward says so with the fix (annotate)
                     assert again["named"], f"{order} {name}: the lost state was not named"
                     assert not same_end, f"{order} {name}: expected the limitation, and it resumed exactly"
+
+
+def _annotate_first(rank: int, out_dir: str) -> None:
+    """Annotate a real model, then ``fully_shard`` (each Linear, or each block) and the root, compile, train."""
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for units in ("layers", "blocks"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = Net()
+        nmcompile.annotate(net, "s_ste:2:4", exclude=["head"])
+        beta = net.blocks[0].fc1.weight_nm_beta.clone()
+        for module in list(net.modules()) if units == "layers" else list(net.blocks):
+            if units == "blocks" or isinstance(module, torch.nn.Linear):
+                fully_shard(module)
+        fully_shard(net)
+        compiled = torch.compile(net, backend="nmsparse", options={"inner": "aot_eager"})
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(compiled, opt, range(3), rank_loss(rank))
+        x, _ = batch(9, rank)
+        with torch.no_grad():
+            out = compiled(x)
+            dense = net(x)  # eager: FSDP2's forward with the dense weights, no recipe
+            effective = nmcompile.effective_weights(net)
+        results[units] = {
+            "effective": effective, "beta": beta, "beta_now": net.blocks[0].fc1.weight_nm_beta.clone(),
+            "differs": not torch.allclose(out, dense), "warnings": [str(w.message) for w in caught],
+        }
+    torch.save(results, f"{out_dir}/first-{rank}.pt")
+
+
+@pytest.mark.slow
+def test_annotate_before_fully_shard_on_real_weights(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    run_ranks(_annotate_first, str(tmp_path), timeout_s=300)
+    r0, r1 = (torch.load(tmp_path / f"first-{r}.pt", weights_only=False) for r in range(WORLD))
+    for units in ("layers", "blocks"):
+        a, b = r0[units], r1[units]
+        assert len(a["effective"]) == 4 and a["effective"].keys() == b["effective"].keys(), units
+        for k, w in a["effective"].items():
+            assert nm_ok(w, 2, 4) and torch.equal(w, b["effective"][k]), (units, k)
+        assert torch.equal(a["beta"], a["beta_now"]), units  # S-STE's beta kept from annotate, fixed
+    # blocks sharded as units: the compiled model is sparse, not the dense one
+    assert r0["blocks"]["differs"] and r1["blocks"]["differs"]
+    # each Linear an FSDP2 unit of its own: Dynamo runs those layers outside every graph (dense), and the
+    # first optimizer step names each of them
+    named = [w for w in r0["layers"]["warnings"] if "no torch.compile(..., backend='nmsparse') graph" in w]
+    assert len(named) == 1 and "FSDP2" in named[0], r0["layers"]["warnings"]
+    for k in r0["layers"]["effective"]:
+        assert f"{k} (s_ste:2:4)" in named[0], (k, named[0])
+    assert not any("no torch.compile" in w for w in r0["blocks"]["warnings"])

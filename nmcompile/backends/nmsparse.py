@@ -108,7 +108,8 @@ class _Slot:
                 )
             if self.recipe.state_names:
                 fresh.append(self)
-            ann = attach(module, self.param_name, self.recipe, self.dim)
+            ann = attach(module, self.param_name, self.recipe, self.dim, self.fqn)
+        ann.consumed = True
         return ann
 
     def state(self, module, ann) -> tuple[torch.Tensor, ...]:
@@ -338,7 +339,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     run_passes(work, TRAIN_PASSES, ctx)
     _report(ctx, strict)
     if ctx.targets:
-        owned = [(parameter_fqn(src), owning_module(src)) for _, _, src in parameter_placeholders(work)]
+        owned = [(parameter_fqn(src), owning_module(src, p)) for _, p, src in parameter_placeholders(work)]
         finalized = [fqn for fqn, o in owned if o is not None and deployed_of(*o) is not None]
         if finalized:
             warnings.warn(

@@ -276,34 +276,46 @@ def owner_source(source):
     return (module, index) if module is not None else None
 
 
-def _frame_value(source):
-    """The object ``source`` names in the frame Dynamo is compiling, or None.
-
-    A Dynamo source's name is the Python expression its guards evaluate, over the frame's locals
-    ``L`` and globals ``G`` (``L['self']._modules['fc1']``); the backend runs while Dynamo still
-    holds that frame.
-    """
+def _compiled_frame():
+    """The frame Dynamo is compiling (the backend runs while Dynamo still holds it), or None."""
     from torch._dynamo import symbolic_convert
 
     tx = getattr(symbolic_convert.tls, "current_tx", None)
-    frame = getattr(getattr(tx, "output", None), "root_tx", None)
-    if frame is None:
-        return None
+    return getattr(getattr(tx, "output", None), "root_tx", None)
+
+
+def _frame_value(frame, source):
+    """The object ``source`` names in ``frame``, or None.
+
+    A Dynamo source's name is the Python expression its guards evaluate, over the frame's locals
+    ``L`` and globals ``G`` (``L['self']._modules['fc1']``).
+    """
     try:
         return eval(source_name(source), {"__builtins__": {}}, {"L": frame.f_locals, "G": frame.f_globals})
-    except Exception:  # a source form that is not a plain expression: the caller names the weight
+    except Exception:  # a source form that is not a plain expression: searched for below
         return None
 
 
-def owning_module(source) -> tuple[nn.Module, str] | None:
-    """``(module, attribute)`` that owns the parameter ``source`` names, or None if it cannot be told."""
+def owning_module(source, param=None) -> tuple[nn.Module, str] | None:
+    """``(module, attribute)`` that owns the parameter ``source`` names, or None if it cannot be told.
+
+    The owner's source is evaluated in the compiled frame; failing that, the modules among the
+    frame's locals are searched for the module holding ``param`` under that attribute.
+    """
     owner = owner_source(source)
-    if owner is None:
+    frame = _compiled_frame()
+    if owner is None or frame is None:
         return None
-    module = _frame_value(owner[0])
-    if not isinstance(module, nn.Module) or owner[1] not in module._parameters:
-        return None
-    return module, owner[1]
+    module = _frame_value(frame, owner[0])
+    if isinstance(module, nn.Module) and owner[1] in module._parameters:
+        return module, owner[1]
+    if param is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, nn.Module):
+                for candidate in value.modules():
+                    if candidate._parameters.get(owner[1]) is param:
+                        return candidate, owner[1]
+    return None
 
 
 def parameter_placeholders(gm: fx.GraphModule):

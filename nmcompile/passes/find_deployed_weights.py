@@ -29,7 +29,7 @@ def _bias_of(use: fx.Node, weight: fx.Node):
 
 def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
     for node, param, source in _graph.parameter_placeholders(gm):
-        owned = _graph.owning_module(source)
+        owned = _graph.owning_module(source, param)
         record = deployed_of(*owned) if owned else None
         if record is None:
             continue

@@ -50,7 +50,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         users = list(node.users)
         uses = [_graph.weight_use(user, node) for user in users]
         fqn = _graph.parameter_fqn(source)
-        owned = _graph.owning_module(source)
+        owned = _graph.owning_module(source, param)
         if param.dim() >= 2:
             ctx.weights.append(fqn)
         if not any(kind == "gemm" for kind, _ in uses):
@@ -68,6 +68,11 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         recipe, origin = _resolve(ctx, owned, fqn, node, users)
         ctx.declared = ctx.declared or origin is not None
         if recipe is None:
+            if owned is None and _graph.owner_source(source) is not None and origin is None:
+                ctx.skipped[fqn] = (
+                    "its owning module cannot be reached from the compiled frame, so a recipe recorded by "
+                    "nmcompile.annotate cannot be read; declare it through options={'recipe': ...} instead"
+                )
             continue
         skip = None
         dims = {dim for kind, dim in uses if kind == "gemm"}
