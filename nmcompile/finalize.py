@@ -2,10 +2,9 @@
 
 :func:`finalize` writes the weight each annotated layer's forward uses (S-STE: ``beta * S(W)``,
 MDGF at the end of its decay: the binary mask, ASP and transposable: the stored mask) into the
-parameter, removes the recipe state buffers and the annotation, and records on the parameter
-that it is a deployed N:M weight (a :class:`Deployed` in the owning module's records,
-:mod:`nmcompile.records`). The model then computes the same function
-with plain modules, its ``state_dict`` loads into the model without nmcompile, and the ``nmsparse``
+parameter, removes the recipe state buffers and the annotation, and records that it is a
+deployed N:M weight (a :class:`Deployed` in the owning module's records, :mod:`nmcompile.records`).
+The model then computes the same function with plain modules, its ``state_dict`` loads into the model without nmcompile, and the ``nmsparse``
 backend can rewrite its GEMMs to sparse kernels.
 """
 

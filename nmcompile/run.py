@@ -1,8 +1,8 @@
 """One training run with a recipe through ``torch.compile(..., backend="nmsparse")``, recorded as JSON.
 
 :func:`train_run` is shared by ``nmcompile demo`` and ``benchmarks/quality.py``: it annotates the
-model, compiles it, trains it with AdamW and :func:`nmcompile.hook_optimizer` (schedules and mask
-diagnostics), evaluates it every ``eval_every`` steps, and returns a JSON-ready record: the loss
+model, compiles it, trains it with AdamW (with :func:`nmcompile.hook_optimizer` for the mask
+diagnostics; schedules count the steps by themselves), evaluates it every ``eval_every`` steps, and returns a JSON-ready record: the loss
 and evaluation curves, per-layer flip rate / SAD / STEP statistics, the final per-layer sparsity,
 timings, and the model (for finalizing and export).
 """
