@@ -84,6 +84,8 @@ class StepDriver:
         self.watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {param name: fqn}
         self.settings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Settings
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _PerOptimizer
+        # compiled module -> [plan, route, names already named or warned about] (options, NMSPARSE_RECIPE)
+        self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         ref = weakref.ref(self)
         handles = [
             register_optimizer_step_pre_hook(functools.partial(_call, ref, "before")),
@@ -94,6 +96,43 @@ class StepDriver:
     def __reduce__(self):
         """A copied or unpickled record gets this process's live driver, not a copy of its hooks."""
         return (driver, ())
+
+    def declare(self, root: nn.Module, plan, route: str, named: set) -> None:
+        """``plan`` (from ``route``) applies to ``root``'s weights; ``named`` were reported already."""
+        entry = self.plans.get(root)
+        if entry is None or entry[0] != plan:
+            self.plans[root] = [plan, route, set(named)]
+        else:
+            entry[2].update(named)
+
+    def _plan_dense(self, optimizer) -> None:
+        """Name (once each) weights a plan selects that train although no graph has given them a record."""
+        if not self.plans:
+            return
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        dense = []
+        for root, (plan, route, named) in list(self.plans.items()):
+            for name, places in records.owners(root):
+                _, module, pname = places[0]
+                param = module._parameters[pname]
+                if (param.dim() < 2 or name in named or id(param) not in in_optimizer or param.grad is None
+                        or isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or len(places) > 1):
+                    continue
+                if records.get(module, records.RECIPES, pname) or records.get(module, records.DEPLOYED, pname):
+                    continue
+                recipe = plan.recipe_for(name)
+                if recipe is not None:
+                    named.add(name)
+                    dense.append(f"{name} ({recipe} from {route}, {type(module).__name__})")
+        if dense:
+            warnings.warn(
+                f"nmcompile: {', '.join(dense[:6])}{' ...' if len(dense) > 6 else ''} are selected by the "
+                "declaration but no nmsparse graph has used them, so this optimizer step trains them dense: "
+                "Dynamo ran their layers outside every compiled graph (a layer it does not trace, such as "
+                "nn.LSTM or nn.GRU, a graph break, or an FSDP2 unit of its own). Exclude them to keep them "
+                "dense on purpose",
+                stacklevel=3,
+            )
 
     def watch(self, model: nn.Module) -> None:
         """Count steps for the annotated weights of ``model`` and its submodules."""
@@ -135,6 +174,7 @@ class StepDriver:
             if settings is not None and settings.check_finite:
                 _raise_if_not_finite(per.groups, per.steps + 1)
             _warn_if_never_compiled(per.groups)
+            self._plan_dense(optimizer)
             for recipe, weights in per.groups.items():
                 recipe.before_step(weights, optimizer)
 

@@ -261,3 +261,38 @@ def test_a_declared_weight_that_trains_without_any_nmsparse_graph_is_named_once(
         warnings.simplefilter("always")
         _train(compiled_model, torch.compile(compiled_model, backend="nmsparse", options=AOT), 2)
     assert not [w for w in caught if "no torch.compile" in str(w.message)]
+
+
+class Eager(nn.Linear):
+    """A layer Dynamo runs outside the graph (as it does a layer it cannot trace)."""
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return super().forward(x)
+
+
+class WithEagerLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.eager = Eager(8, 8)
+
+    def forward(self, x):
+        return self.eager(torch.relu(self.fc(x)))
+
+
+def test_layers_dynamo_runs_outside_every_graph_are_named_at_the_first_step():
+    model = WithEagerLayer()
+    compiled = torch.compile(model, backend="nmsparse", options={"recipe": "sr_ste:2:4", **AOT})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    named = [str(w.message) for w in caught if "selected by the declaration but no nmsparse graph" in str(w.message)]
+    assert len(named) == 1, [str(w.message) for w in caught]
+    assert "eager.weight (sr_ste:2:4 from options, Eager)" in named[0]
+    assert "fc.weight" not in named[0]  # rewritten: not dense
+    assert sorted(nmcompile.effective_weights(model)) == ["fc.weight"]

@@ -26,7 +26,7 @@ from torch import fx
 from ..annotate import annotation_of, attach, state_of
 from ..finalize import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
-from ..passes._graph import owning_module, parameter_fqn, parameter_placeholders, source_name
+from ..passes._graph import owning_module, parameter_fqn, parameter_placeholders, root_module, source_name
 from ..plan import Plan
 from .inner import Inner, parse_options
 
@@ -323,6 +323,39 @@ def _warn_if_trained(ctx: PassContext, strict: bool) -> None:
     warnings.warn(message, stacklevel=3)
 
 
+def _declare_plan(gm: fx.GraphModule, ctx: PassContext):
+    """Give the step driver the options or environment plan and the module it applies to.
+
+    Layers that Dynamo runs outside every graph (``nn.LSTM``, a graph break, an FSDP2 unit of its
+    own) never reach the passes; at the first optimizer step that trains such a weight the plan
+    selects, the driver names it. Returns the driver (the compiled graph holds it), or None.
+    """
+    routes = [(o, p) for o, p in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)) if p is not None]
+    params = list(parameter_placeholders(gm))
+    if not routes or not params:
+        return None
+    root = root_module(params[0][2])
+    if root is None:
+        return None
+    from ..optimizer_hook import driver as step_driver
+
+    live = step_driver()
+    live.declare(root, routes[0][1], routes[0][0], set(ctx.skipped))
+    return live
+
+
+class _Holding:
+    """A compiled graph that keeps the step driver alive while it lives."""
+
+    __slots__ = ("compiled", "driver")
+
+    def __init__(self, compiled, driver):
+        self.compiled, self.driver = compiled, driver
+
+    def __call__(self, *args):
+        return self.compiled(*args)
+
+
 def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=None, **kwargs):
     """Dynamo backend: insert the declared N:M recipes into the graph, then compile it."""
     options = dict(options or {})
@@ -338,6 +371,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     base = _copy(gm)
     run_passes(work, TRAIN_PASSES, ctx)
     _report(ctx, strict)
+    driver = _declare_plan(work, ctx)
     if ctx.targets:
         owned = [(parameter_fqn(src), owning_module(src, p)) for _, p, src in parameter_placeholders(work)]
         finalized = [fqn for fqn, o in owned if o is not None and deployed_of(*o) is not None]
@@ -357,7 +391,8 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             example = [*example_inputs, *_static([t for pair in ctx.compressed.values() for t in pair])]
             key = repr([(t.fqn, t.decision) for t in ctx.deployed])
             return DeployRunner(work, ctx, inner.compile(work, example, key), len(example_inputs))
-        return inner.compile(work, list(example_inputs))
+        compiled = inner.compile(work, list(example_inputs))
+        return compiled if driver is None else _Holding(compiled, driver)
     owner_index: dict[str, int] = {}
     owners, slots = [], []
     for target in ctx.targets:
@@ -367,6 +402,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             owners.append(target.owner)
         slots.append(_Slot(owner_index[key], target))
     runner = _CompiledNM(base, ctx.targets, slots, len(example_inputs), inner)
+    runner.driver = driver or runner.driver
     # the declared recipes are the first variant; example state comes from these weights
     state = []
     for t in ctx.targets:

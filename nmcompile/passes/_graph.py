@@ -296,6 +296,15 @@ def _frame_value(frame, source):
         return None
 
 
+def root_module(source) -> nn.Module | None:
+    """The module at the root of a parameter's source (``L['self']``: the compiled module), or None."""
+    while getattr(source, "base", None) is not None:
+        source = source.base
+    frame = _compiled_frame()
+    value = _frame_value(frame, source) if frame is not None else None
+    return value if isinstance(value, nn.Module) else None
+
+
 def owning_module(source, param=None) -> tuple[nn.Module, str] | None:
     """``(module, attribute)`` that owns the parameter ``source`` names, or None if it cannot be told.
 
