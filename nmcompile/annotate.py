@@ -102,11 +102,11 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int, name: s
     param = module._parameters[param_name]
     old = annotation_of(module, param_name)
     if old is not None and old.recipe == recipe and old.dim == dim:
-        if all(name in module._buffers for name in old.buffer_names(param_name)):
+        if all(buffer in module._buffers for buffer in old.buffer_names(param_name)):
             return old
     if old is not None:
-        for name in old.buffer_names(param_name):
-            module._buffers.pop(name, None)
+        for buffer in old.buffer_names(param_name):
+            module._buffers.pop(buffer, None)
     ann = WeightAnnotation(recipe, dim, pending=param.is_meta)
     with torch.no_grad(), torch.inference_mode(False):  # state must not be inference tensors
         if ann.pending:  # shapes only (a meta DTensor's shape is the whole weight's)
@@ -131,8 +131,8 @@ def detach_recipe(module: nn.Module, param_name: str) -> WeightAnnotation | None
     """Forget ``module.<param_name>``'s recipe and remove its state buffers; returns the old record."""
     ann = records.drop(module, RECIPES, param_name)
     if ann is not None:
-        for name in ann.buffer_names(param_name):
-            module._buffers.pop(name, None)
+        for buffer in ann.buffer_names(param_name):
+            module._buffers.pop(buffer, None)
     return ann
 
 

@@ -101,17 +101,25 @@ class StepDriver:
         """``plan`` (from ``route``) applies to ``root``'s weights; ``named`` were reported already."""
         entry = self.plans.get(root)
         if entry is None or entry[0] != plan:
-            self.plans[root] = [plan, route, set(named)]
+            self.plans[root] = [plan, route, set(named), False]  # last: checked at an optimizer step
         else:
             entry[2].update(named)
 
     def _plan_dense(self, optimizer) -> None:
-        """Name (once each) weights a plan selects that train although no graph has given them a record."""
-        if not self.plans:
+        """Name weights a plan selects that train although no graph has given them a record.
+
+        Each compiled module is looked at once, at the first step of an optimizer that updates its
+        weights (a walk over the whole module would cost every step).
+        """
+        if not self.plans or all(entry[3] for entry in self.plans.values()):
             return
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         dense = []
-        for root, (plan, route, named) in list(self.plans.items()):
+        for root, entry in list(self.plans.items()):
+            plan, route, named, checked = entry
+            if checked or not any(id(p) in in_optimizer for p in root.parameters()):
+                continue
+            entry[3] = True
             for name, places in records.owners(root):
                 _, module, pname = places[0]
                 param = module._parameters[pname]
