@@ -23,74 +23,17 @@ import torch
 from torch import nn
 
 from . import records
-from .clock import StepMirror
-from .diagnostics import Trace
+from .optimizer_hook import driver
 from .pattern import NMPattern, reduction_dim
 from .plan import Plan
 from .recipes.base import Recipe
-from .records import RECIPES, owners
+from .records import RECIPES, WeightAnnotation, annotation_of, owners, settle, state_dict_of, state_of
 from .sharding import full, is_sharded
 
-__all__ = ["annotate", "AnnotationReport", "WeightAnnotation", "attach", "annotation_of", "state_of"]
+__all__ = ["annotate", "AnnotationReport", "attach", "detach_recipe", "WeightAnnotation", "annotation_of", "state_of",
+           "state_dict_of"]
 
 SUPPORTED_LAYERS = "nn.Linear, nn.Conv1d, nn.Conv2d, transformers Conv1D, nn.MultiheadAttention"
-
-
-@dataclass(eq=True)
-class WeightAnnotation:
-    recipe: Recipe
-    dim: int  # the grouping (reduction) dimension of the weight
-    # run-time companions, not part of the declaration (excluded from equality):
-    clock: StepMirror = field(default_factory=StepMirror, compare=False, repr=False)
-    trace: Trace = field(default_factory=Trace, compare=False, repr=False)  # diagnostics
-    pending: bool = field(default=False, compare=False)  # state not computed yet (meta weight)
-    consumed: bool = field(default=False, compare=False)  # an nmsparse graph has run with it
-    # the step driver, held while the record lives (see nmcompile.optimizer_hook)
-    driver: object = field(default=None, compare=False, repr=False)
-
-    __hash__ = None  # mutable (pending); compare by (recipe, dim)
-
-    def buffer_names(self, param_name: str) -> tuple[str, ...]:
-        return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)
-
-
-def annotation_of(module: nn.Module, param_name: str) -> WeightAnnotation | None:
-    return records.get(module, RECIPES, param_name)
-
-
-def state_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> tuple[torch.Tensor, ...]:
-    """The weight's state tensors, computed first if they are still pending (see the module docstring).
-
-    Raises ``KeyError`` when a state buffer was removed.
-    """
-    if ann.pending:
-        _settle(module, param_name, ann)
-    buffers = module._buffers
-    return tuple(buffers[name] for name in ann.buffer_names(param_name))
-
-
-def state_dict_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> dict[str, torch.Tensor]:
-    """``{state key: tensor}`` of one annotated weight."""
-    return dict(zip(ann.recipe.state_names, state_of(module, param_name, ann)))
-
-
-def _settle(module: nn.Module, pname: str, ann: WeightAnnotation) -> None:
-    """Compute pending state from the weight once weight and buffers hold real values.
-
-    Buffers written since they were made (an in-place checkpoint load) keep what was written.
-    """
-    weight = module._parameters[pname]
-    buffers = [module._buffers.get(name) for name in ann.buffer_names(pname)]
-    if weight.is_meta or any(b is None or b.is_meta for b in buffers):
-        return  # still a placeholder: the caller names the problem
-    if not any(b._version for b in buffers if not b.is_inference()):
-        with torch.no_grad(), torch.inference_mode(False):
-            fresh = ann.recipe.init_state(full(weight.detach()), ann.dim)
-            for key, buffer in zip(ann.recipe.state_names, buffers):
-                buffer.copy_(fresh[key])
-    ann.pending = False
-    if ann.recipe.clocked:
-        ann.clock.read(module._buffers[ann.buffer_names(pname)[ann.recipe.state_names.index("step")]])
 
 
 def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int, name: str | None = None) -> WeightAnnotation:
@@ -116,8 +59,6 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int, name: s
     for key, buffer in zip(recipe.state_names, ann.buffer_names(param_name)):
         module.register_buffer(buffer, state[key])
     records.put(module, RECIPES, param_name, ann)
-    from .optimizer_hook import driver  # (imports this module)
-
     ann.driver = driver()  # counts steps, and names a declared weight that trains without any nmsparse graph
     ann.driver.watch_module(module, param_name, name or param_name)
     records.drop(module, records.DEPLOYED, param_name)  # a finalized weight that trains again
@@ -148,7 +89,7 @@ def _before_save(module, prefix, keep_vars) -> None:
     """Pending state is computed before it is saved."""
     for pname, ann in list(records.table(module, RECIPES).items()):
         if ann.pending and pname in module._parameters:
-            _settle(module, pname, ann)
+            settle(module, pname, ann)
 
 
 def _before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:

@@ -20,7 +20,7 @@ from . import masks, records
 from .annotate import _skip_reason, annotation_of, detach_recipe
 from .inspection import _effective
 from .pattern import NMPattern
-from .records import DEPLOYED, owners
+from .records import DEPLOYED, deployed_of, owners
 from .sharding import full
 
 __all__ = ["finalize", "FinalizeReport", "Deployed", "deployed_of", "deploy_report"]
@@ -44,10 +44,6 @@ class Deployed:
         how = f"trained with {self.recipe}" if self.recipe else "loaded N:M"
         changed = f", changed by {self.change:.3g} (forced)" if self.change else ""
         return f"{self.pattern} along dim {self.dim} ({how}){changed}"
-
-
-def deployed_of(module: nn.Module, param_name: str) -> Deployed | None:
-    return records.get(module, DEPLOYED, param_name)
 
 
 class FinalizeReport(dict):

@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from . import masks
-from .annotate import WeightAnnotation, annotation_of, state_of
 from .pattern import NMPattern
-from .records import owners
+from .records import WeightAnnotation, annotation_of, deployed_of, owners, state_of
 from .sharding import full
 from .state_dicts import find_state_dict, load_state_dict
 
@@ -121,8 +120,6 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
     pattern = None if pattern is None else NMPattern.of(pattern)
     report = CheckReport()
     if isinstance(obj, nn.Module):
-        from .finalize import deployed_of
-
         for name, ann, weight in _effective(obj):
             _check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim)
         for name, places in owners(obj):

@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch import nn
 
 from . import records
-from .annotate import WeightAnnotation, state_dict_of
+from .records import WeightAnnotation, state_dict_of
 from .clock import StepMirror
 
 __all__ = ["hook_optimizer", "OptimizerHook", "StepDriver", "Tracked", "driver"]

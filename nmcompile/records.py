@@ -7,16 +7,25 @@ objects keeps the declaration by construction: FSDP2's ``fully_shard`` (before o
 ``annotate``), ``to_empty`` after meta-device construction, ``load_state_dict(assign=True)``,
 ``copy.deepcopy``, pickling, wrappers that keep the module. The two tables are plain dicts in the
 module's ``__dict__`` (attributes :data:`RECIPES` and :data:`DEPLOYED`), so every one of those
-copies them with the module.
+copies them with the module. A recipe's state tensors are buffers of the same module, named
+``<param>_nm_<key>``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
-__all__ = ["RECIPES", "DEPLOYED", "table", "get", "put", "drop", "owners", "root"]
+from .clock import StepMirror
+from .recipes.base import Recipe
+from .sharding import full
+from .trace import Trace
+
+__all__ = ["RECIPES", "DEPLOYED", "table", "get", "put", "drop", "owners", "root", "WeightAnnotation",
+           "annotation_of", "deployed_of", "state_of", "state_dict_of"]
 
 RECIPES = "_nmcompile_recipes"  # {parameter attribute: WeightAnnotation}
 DEPLOYED = "_nmcompile_deployed"  # {parameter attribute: Deployed}
@@ -65,3 +74,69 @@ def owners(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, nn.Module, s
     for places in holders.values():
         mname, _, pname = places[0]
         yield (f"{mname}.{pname}" if mname else pname), places
+
+
+@dataclass(eq=True)
+class WeightAnnotation:
+    """One weight's recipe record: the recipe, its grouping dim, and its run-time companions."""
+
+    recipe: Recipe
+    dim: int  # the grouping (reduction) dimension of the weight
+    # run-time companions, not part of the declaration (excluded from equality):
+    clock: StepMirror = field(default_factory=StepMirror, compare=False, repr=False)
+    trace: Trace = field(default_factory=Trace, compare=False, repr=False)  # diagnostics
+    pending: bool = field(default=False, compare=False)  # state not computed yet (meta weight)
+    consumed: bool = field(default=False, compare=False)  # an nmsparse graph has run with it
+    # the step driver, held while the record lives (see nmcompile.optimizer_hook)
+    driver: object = field(default=None, compare=False, repr=False)
+
+    __hash__ = None  # mutable (pending); compare by (recipe, dim)
+
+    def buffer_names(self, param_name: str) -> tuple[str, ...]:
+        return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)
+
+
+def annotation_of(module: nn.Module, param_name: str) -> WeightAnnotation | None:
+    return get(module, RECIPES, param_name)
+
+
+def deployed_of(module: nn.Module, param_name: str):
+    """The weight's :class:`nmcompile.finalize.Deployed` record, or None."""
+    return get(module, DEPLOYED, param_name)
+
+
+def state_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> tuple[torch.Tensor, ...]:
+    """The weight's state tensors, computed first if they are still pending (see :func:`settle`).
+
+    Raises ``KeyError`` when a state buffer was removed.
+    """
+    if ann.pending:
+        settle(module, param_name, ann)
+    buffers = module._buffers
+    return tuple(buffers[name] for name in ann.buffer_names(param_name))
+
+
+def state_dict_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> dict[str, torch.Tensor]:
+    """``{state key: tensor}`` of one annotated weight."""
+    return dict(zip(ann.recipe.state_names, state_of(module, param_name, ann)))
+
+
+def settle(module: nn.Module, pname: str, ann: WeightAnnotation) -> None:
+    """Compute pending state from the weight once weight and buffers hold real values.
+
+    A weight annotated on the meta device gets placeholder buffers and a pending record; its state
+    is computed here, from the initialised weight, at the first use (a forward, ``state_dict()``).
+    Buffers written since they were made (an in-place checkpoint load) keep what was written.
+    """
+    weight = module._parameters[pname]
+    buffers = [module._buffers.get(name) for name in ann.buffer_names(pname)]
+    if weight.is_meta or any(b is None or b.is_meta for b in buffers):
+        return  # still a placeholder: the caller names the problem
+    if not any(b._version for b in buffers if not b.is_inference()):
+        with torch.no_grad(), torch.inference_mode(False):
+            fresh = ann.recipe.init_state(full(weight.detach()), ann.dim)
+            for key, buffer in zip(ann.recipe.state_names, buffers):
+                buffer.copy_(fresh[key])
+    ann.pending = False
+    if ann.recipe.clocked:
+        ann.clock.read(module._buffers[ann.buffer_names(pname)[ann.recipe.state_names.index("step")]])

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from ..annotate import annotation_of, attach, state_of
-from ..finalize import deployed_of
+from ..records import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
 from ..passes._graph import owning_module, parameter_fqn, parameter_placeholders, root_module, source_name
 from ..plan import Plan

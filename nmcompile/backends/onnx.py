@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..annotate import annotation_of
-from ..finalize import deployed_of
+from ..records import annotation_of, deployed_of
 from ..records import owners
 from ..inspection import CheckReport, _check_one
 from ..pattern import NMPattern

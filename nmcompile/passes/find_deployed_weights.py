@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import fx, nn
 
 from ..backends.dispatch import Decision, qualify
-from ..finalize import deployed_of
+from ..records import deployed_of
 from . import _graph
 from .context import DeployTarget, PassContext
 

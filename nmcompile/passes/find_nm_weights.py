@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..annotate import annotation_of
-from ..finalize import deployed_of
+from ..records import annotation_of, deployed_of
 from ..recipes import parse
 from ..sharding import full
 from . import _graph
