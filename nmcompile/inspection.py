@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import masks
+from .compliance import CheckReport, WeightCheck, check_one
 from .pattern import NMPattern
 from .records import WeightAnnotation, annotation_of, deployed_of, owners, state_of
 from .sharding import full
@@ -45,62 +44,6 @@ def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: weight for name, _, weight in _effective(model)}
 
 
-@dataclass(frozen=True)
-class WeightCheck:
-    pattern: NMPattern
-    dim: int
-    groups: int
-    violations: int  # groups with more than N non-zeros
-
-    @property
-    def ok(self) -> bool:
-        return self.violations == 0
-
-
-class CheckReport(dict):
-    """``{tensor name: WeightCheck}``; ``skipped`` maps names that were not checked to why.
-
-    ``ok`` holds when at least one tensor was checked and every checked tensor complies: a report
-    that checked nothing is not ok. ``where`` is the place in a checkpoint dict the state dict was
-    found at (``"['model']"``), or ``""``.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.skipped: dict[str, str] = {}
-        self.where = ""
-
-    @property
-    def ok(self) -> bool:
-        return len(self) > 0 and all(c.ok for c in self.values())
-
-    def __str__(self) -> str:
-        where = f" of checkpoint{self.where}" if self.where else ""
-        if not self:
-            lines = [f"N:M check{where}: no tensor was checked, so none is shown to comply (not ok)"]
-        else:
-            lines = [f"N:M check{where}: {sum(c.ok for c in self.values())}/{len(self)} tensors comply"]
-        for name, c in self.items():
-            status = "ok" if c.ok else f"{c.violations}/{c.groups} groups violate"
-            lines.append(f"  {name}: {c.pattern} along dim {c.dim}: {status}")
-        lines += [f"  - {name}: not checked ({why})" for name, why in self.skipped.items()]
-        return "\n".join(lines)
-
-
-def _check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NMPattern, dim: int) -> None:
-    if not -tensor.dim() <= dim < tensor.dim():
-        raise ValueError(
-            f"check: dim={dim} does not exist in {name!r} of shape {tuple(tensor.shape)}; dim is the grouping "
-            f"dimension, from {-tensor.dim()} to {tensor.dim() - 1} (1 for Linear/Conv, 0 for GPT-2 Conv1D)"
-        )
-    reason = pattern.fits(tensor, dim)
-    if reason is not None:
-        report.skipped[name] = reason
-        return
-    bad, total = masks.count_violations(tensor, pattern.n, pattern.m, dim)
-    report[name] = WeightCheck(pattern, dim, total, bad)
-
-
 def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> CheckReport:
     """N:M compliance per weight of a model (its effective weights) or a state dict.
 
@@ -121,13 +64,13 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
     report = CheckReport()
     if isinstance(obj, nn.Module):
         for name, ann, weight in _effective(obj):
-            _check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim)
+            check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim)
         for name, places in owners(obj):
             _, module, pname = places[0]
             record = deployed_of(module, pname)
             if record is not None:
                 weight = full(module._parameters[pname].detach())
-                _check_one(report, name, weight, pattern or record.pattern, record.dim)
+                check_one(report, name, weight, pattern or record.pattern, record.dim)
         return report
     if isinstance(obj, (str, os.PathLike)):
         if os.fspath(obj).endswith(".onnx"):
@@ -144,6 +87,6 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
         state, report.where = find_state_dict(obj, "the checkpoint dict")
         for name, tensor in unpack_state_dict(state).items():
             if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
-                _check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
+                check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
         return report
     raise TypeError(f"check takes an nn.Module or a state dict, got {type(obj).__name__}")

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..records import annotation_of, deployed_of
 from ..records import owners
-from ..inspection import CheckReport, _check_one
+from ..compliance import CheckReport, check_one
 from ..pattern import NMPattern
 
 __all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]
@@ -212,7 +212,7 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1) -> Check
                 report.skipped[init.name] = "not recorded as N:M by nmcompile (dense)"
                 continue
             n, m = (int(v) for v in entry["pattern"].split(":"))
-            _check_one(report, init.name, tensor, pattern or NMPattern(n, m), int(entry["axis"]))
+            check_one(report, init.name, tensor, pattern or NMPattern(n, m), int(entry["axis"]))
         else:
-            _check_one(report, init.name, tensor, pattern or NMPattern(2, 4), dim)
+            check_one(report, init.name, tensor, pattern or NMPattern(2, 4), dim)
     return report
