@@ -1,5 +1,6 @@
 """ASP: one-shot prune with a fixed mask, and the function-preserving channel permutation."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +32,7 @@ def test_permutation_keeps_the_dense_function_and_raises_kept_magnitude():
     assert str(perm_report)
 
 
+@pytest.mark.slow
 def test_mask_never_changes_and_pruned_weights_get_no_update():
     model = mlp()
     nmcompile.annotate(model, "asp:2:4,permute=false")

@@ -48,6 +48,7 @@ def eager_with(model, x):
     return torch.func.functional_call(model, params, (x,))
 
 
+@pytest.mark.slow
 def test_backend_found_by_entry_point_without_import():
     code = textwrap.dedent(
         """
@@ -65,6 +66,7 @@ def test_backend_found_by_entry_point_without_import():
     assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_import_is_lean():
     code = "import sys, nmcompile; bad = [m for m in ('onnx', 'onnxruntime', 'torch_tensorrt') if m in sys.modules]; print(bad)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -364,6 +366,7 @@ def test_deepcopy_keeps_the_record_and_compiles_sparse():
     torch.testing.assert_close(twin.fc1.weight_nm_beta, model.fc1.weight_nm_beta)
 
 
+@pytest.mark.slow
 def test_bi_mask_under_inductor_trains_and_evaluates_at_another_batch_size():
     """Backend-made inputs (Bi-Mask's permutation) are static: a reshape of rows indexed by it once
     made Dynamo's guard building fail under Inductor."""

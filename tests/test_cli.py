@@ -21,6 +21,7 @@ def run_here(capsys, *args):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_check_reports_compliance_and_sets_exit_code(tmp_path):
     w = torch.randn(8, 16)
     good = tmp_path / "good.pt"
@@ -33,6 +34,7 @@ def test_check_reports_compliance_and_sets_exit_code(tmp_path):
     assert fail.returncode == 1 and "32/32 groups violate" in fail.stdout
 
 
+@pytest.mark.slow
 def test_recipes_lists_keys_and_defaults():
     out = run("recipes")
     assert out.returncode == 0

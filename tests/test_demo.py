@@ -23,6 +23,7 @@ def installed(package: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_demo_end_to_end_on_a_tiny_text(tmp_path):
     out = tmp_path / "run"
     summary = run_demo("sr_ste:2:4", str(out), steps=20, width=32, layers=1, context=16, batch=8, text=TEXT,
@@ -39,6 +40,7 @@ def test_demo_end_to_end_on_a_tiny_text(tmp_path):
     assert "validation loss" in format_summary(summary) and summary["sample"].startswith("ROMEO")
 
 
+@pytest.mark.slow
 def test_demo_fills_in_total_steps_for_scheduled_recipes(tmp_path):
     summary = run_demo("step:2:4", str(tmp_path), steps=12, width=32, layers=1, context=16, batch=8, text=TEXT,
                        progress=False, inner="aot_eager", export=False)
@@ -47,6 +49,7 @@ def test_demo_fills_in_total_steps_for_scheduled_recipes(tmp_path):
     assert any("switch_step" in entry for entry in run["diagnostics"].values())
 
 
+@pytest.mark.slow
 def test_report_command(tmp_path, capsys):
     run_demo("ste:2:4", str(tmp_path), steps=10, width=32, layers=1, context=16, batch=8, text=TEXT,
              progress=False, inner="aot_eager", export=False)

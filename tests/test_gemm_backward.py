@@ -52,6 +52,7 @@ def test_mvue_weight_gradient_is_exactly_the_sampled_estimator(wgrad, pattern):
     assert int((groups != 0).sum(-1).max()) <= pattern[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linear", "conv"])
 def test_mvue_weight_gradient_is_unbiased_under_inductor(kind):
     torch.manual_seed(0)
@@ -95,6 +96,7 @@ def test_fp8_simulation_matches_its_equations():
     torch.testing.assert_close(db, dy.sum(0))
 
 
+@pytest.mark.slow
 def test_fp8_with_mvue_is_the_full_s_ste_recipe_and_trains():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))

@@ -283,6 +283,7 @@ def test_reduction_dim_of_transformers_experts():
     assert reduction_dim(plain, "w", plain.w) is None  # an unknown 3-D parameter: not guessed
 
 
+@pytest.mark.slow
 def test_tiny_mixtral_trains_sr_ste_per_expert(caplog, tmp_path):
     model = tiny_mixtral("grouped_mm")  # transformers' default; on CPU fp32 its grouped_mm_fallback op
     ids = torch.randint(0, 64, (2, 8))
@@ -331,6 +332,7 @@ def test_tiny_mixtral_trains_sr_ste_per_expert(caplog, tmp_path):
     assert nmcompile.check(state, dim=-1)[EXPERT_WEIGHTS[0]].ok
 
 
+@pytest.mark.slow
 def test_tiny_mixtral_annotate_finalize_onnx(tmp_path):
     """ONNX through the batched_mm experts (gather + MatMul); the grouped_mm implementations have no
     ONNX translation (the exporter fails on torch._grouped_mm / transformers' fallback op)."""

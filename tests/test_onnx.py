@@ -48,6 +48,7 @@ def test_mlp_exports_with_dynamic_batch_and_matches_onnxruntime(tmp_path):
         torch.testing.assert_close(torch.from_numpy(out), model(x), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_cnn_and_transformer_layer_export(tmp_path):
     cnn = finalized(CNN())
     report = nmcompile.export_onnx(cnn, torch.randn(2, 3, 8, 8), tmp_path / "cnn.onnx")
@@ -90,6 +91,7 @@ def test_bad_input_is_refused_with_what_to_do(tmp_path):
     assert not (tmp_path / "b.onnx").exists()
 
 
+@pytest.mark.slow
 def test_half_precision_exports_and_bfloat16_says_why_it_cannot_be_compared(tmp_path):
     model = finalized(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
     report = nmcompile.export_onnx(model.half(), torch.randn(4, 32, dtype=torch.float16), tmp_path / "h.onnx")

@@ -27,6 +27,7 @@ def _cases():
                 yield "backward_mask_weight", (ops.prune(w, 2, 4, dim), perm, 2, 4, dim)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, args", list(_cases()))
 def test_shared_kernel_computes_the_op_body(name, args):
     body = ops.DECOMPOSITIONS[getattr(torch.ops.nmsparse, name).default]
@@ -34,6 +35,7 @@ def test_shared_kernel_computes_the_op_body(name, args):
     torch.testing.assert_close(twin(*args), body(*args), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_shared_kernel_ops_pass_opcheck():
     w = torch.randn(8, 16)
     torch.library.opcheck(torch.ops.nmsparse.shared_prune.default, (w, 2, 4, 1))
@@ -47,6 +49,7 @@ def _model():
                          nn.Linear(32, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("projections, kernels", [("shared", 2), ("auto", 1), ("inline", 0)])
 def test_one_kernel_per_weight_signature(projections, kernels):
     """Three [32, 32] weights and one [16, 32]: "shared" compiles a kernel per shape, "auto" one for the

@@ -270,6 +270,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 def test_schedules_follow_optimizer_steps_not_forwards():
     """Halving is exact in floating point, so 2 copies of a batch with halved losses accumulate the
     single batch's gradient bit for bit: such a run may differ only through the schedules, and must
