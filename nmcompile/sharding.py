@@ -22,7 +22,6 @@ Nothing here imports ``torch.distributed`` unless a sharded weight is present.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 __all__ = ["is_sharded", "full", "local", "shard_of", "sum_over_ranks"]
 

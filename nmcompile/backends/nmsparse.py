@@ -3,7 +3,8 @@
 ``torch.compile(model, backend="nmsparse", options={...})``:
 
 1. copies Dynamo's graph and runs :data:`nmcompile.passes.TRAIN_PASSES` on the copy, which inserts
-   each selected weight's recipe ops and adds recipe state as extra graph inputs;
+   each selected weight's recipe ops and adds recipe state as extra graph inputs, then reports
+   what was declared and left dense (:mod:`nmcompile.backends.reconcile`);
 2. compiles the copy with the inner compiler of :mod:`nmcompile.backends.inner` (Inductor with
    scoped ``config_patches``, or ``aot_eager``/``eager`` when ``options={"inner": ...}`` asks);
 3. adds to Dynamo's graph one input per owning module (sourced like the weights), so every call
@@ -16,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import warnings
 import weakref
 
@@ -26,13 +26,13 @@ from torch import fx
 from ..annotate import annotation_of, attach, state_of
 from ..records import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
-from ..passes._graph import owning_module, parameter_fqn, parameter_placeholders, root_module, source_name
+from ..passes._graph import owning_module, parameter_fqn, parameter_placeholders, source_name
 from ..plan import Plan
 from .inner import Inner, parse_options
+from .reconcile import Holding, declare_plan, fresh_state_message, report, warn_if_trained
 
 __all__ = ["nmsparse_backend"]
 
-log = logging.getLogger("nmcompile")
 
 DEPLOY_KERNELS = ("auto", "dense", "cusparselt", "reference")
 
@@ -51,33 +51,6 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     if hasattr(gm, "_param_name_to_source"):
         copy._param_name_to_source = gm._param_name_to_source
     return copy
-
-
-def _fresh_state_message(slots) -> str:
-    """Why weights whose recipe state is created at their first forward cannot resume that state.
-
-    State is made lazily for a weight declared through options, NMSPARSE_RECIPE or a region. A
-    checkpoint loaded before that forward (the Trainer's resume_from_checkpoint, load_state_dict)
-    found no ``<param>_nm_<key>`` buffers to load into, and dropped those entries as unexpected.
-    """
-    routes = {"options": "the backend options", "region": "nmcompile.region"}
-    names = [f"{slot.fqn} ({slot.recipe} from {routes.get(slot.origin, slot.origin)})" for slot in slots]
-    shown = "; ".join(names[:4]) + (f"; and {len(names) - 4} more" if len(names) > 4 else "")
-    origins = {slot.origin for slot in slots}
-    if origins == {"NMSPARSE_RECIPE"}:
-        fix = "nmcompile.annotate(model, os.environ['NMSPARSE_RECIPE'])"  # same strings and TOML paths
-    elif origins == {"options"}:
-        fix = f"nmcompile.annotate(model, {str(slots[0].recipe)!r}) with the options' include/exclude"
-    else:
-        fix = "nmcompile.annotate(model, {weight name: recipe, ...})"
-    return (
-        f"nmsparse: recipe state for {len(slots)} weight(s) is created at their first forward and starts fresh "
-        f"from the weights as they are now: {shown}. If a checkpoint was loaded into this model before this "
-        "forward (Trainer.train(resume_from_checkpoint=...), load_state_dict(strict=False)), that state was not "
-        "restored from it (its <param>_nm_<key> entries were dropped as unexpected keys), so the resumed run does "
-        "not continue the saved one. To save and restore recipe state, declare the recipe before building the "
-        f"Trainer or loading: {fix}, then compile as before"
-    )
 
 
 class _Slot:
@@ -219,7 +192,7 @@ class _CompiledNM:
         fresh: list = []
         anns = tuple([slot.annotation(owners[slot.owner], fresh) for slot in slots])
         if fresh:
-            warnings.warn(_fresh_state_message(fresh), stacklevel=2)
+            warnings.warn(fresh_state_message(fresh), stacklevel=2)
         if any(ann.recipe.clocked for ann in anns) and any(m not in self.watched for m in owners):
             self._watch(owners, anns)
         inputs = list(args[:n])
@@ -275,87 +248,6 @@ def _add_owner_inputs(gm: fx.GraphModule, sources) -> None:
     gm.recompile()
 
 
-def _report(ctx: PassContext, strict: bool) -> None:
-    """One summary per graph of what was declared and left dense (``strict``: an error instead)."""
-    for t in ctx.targets:
-        log.info("nmsparse: %s <- %s (from %s)", t.fqn, t.recipe, t.origin)
-    problems = [f"\n  {name}: {reason}" for name, reason in ctx.skipped.items()]
-    for origin, plan in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)):
-        if plan is not None and ctx.weights and not ctx.targets:
-            why = plan.why_none(ctx.weights)
-            if why is not None:
-                shown = ", ".join(ctx.weights[:3]) + (", ..." if len(ctx.weights) > 3 else "")
-                problems.append(f"\n  the {origin} declaration selects none of the {len(ctx.weights)} weights "
-                                f"of this graph ({shown}): {why}")
-            break  # the options route hides the environment's
-    if problems:
-        message = "nmsparse left these weights dense:" + "".join(problems)
-        if strict:
-            raise ValueError(message + "\n(strict=True; fix the declaration or exclude these weights)")
-        warnings.warn(message, stacklevel=3)
-    elif not ctx.targets and ctx.candidates and not ctx.declared:
-        warnings.warn(
-            f"nmsparse: no N:M recipe is declared for any of {len(ctx.candidates)} weights "
-            f"({', '.join(ctx.candidates[:3])}{', ...' if len(ctx.candidates) > 3 else ''}); training dense. "
-            "Declare one with nmcompile.annotate, options={'recipe': ...}, NMSPARSE_RECIPE or nmcompile.region; "
-            "for a finalized checkpoint loaded into a fresh model, nmcompile.finalize(model, pattern='2:4') "
-            "records its N:M weights for the deploy kernels",
-            stacklevel=3,
-        )
-
-
-def _warn_if_trained(ctx: PassContext, strict: bool) -> None:
-    """Finalized weights in a graph that computes their gradients would train dense: say so."""
-    if not torch.is_grad_enabled():
-        return
-    trained = [t.fqn for t in ctx.deployed if t.param.requires_grad]
-    if not trained:
-        return
-    message = (
-        f"nmsparse: the finalized N:M weights {', '.join(trained[:4])}{' ...' if len(trained) > 4 else ''} are in "
-        "a graph that computes their gradients, and nothing keeps their pattern: an optimizer step would update "
-        "them dense. To fine-tune and keep the pattern, declare a recipe for them, e.g. "
-        "nmcompile.annotate(model, 'asp:2:4,permute=False') (its mask keeps the current zeros); for inference, "
-        "run under torch.no_grad() or torch.inference_mode(), or call requires_grad_(False)"
-    )
-    if strict:
-        raise ValueError(message)
-    warnings.warn(message, stacklevel=3)
-
-
-def _declare_plan(gm: fx.GraphModule, ctx: PassContext):
-    """Give the step driver the options or environment plan and the module it applies to.
-
-    Layers that Dynamo runs outside every graph (``nn.LSTM``, a graph break, an FSDP2 unit of its
-    own) never reach the passes; at the first optimizer step that trains such a weight the plan
-    selects, the driver names it. Returns the driver (the compiled graph holds it), or None.
-    """
-    routes = [(o, p) for o, p in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)) if p is not None]
-    params = list(parameter_placeholders(gm))
-    if not routes or not params:
-        return None
-    root = root_module(params[0][2])
-    if root is None:
-        return None
-    from ..optimizer_hook import driver as step_driver
-
-    live = step_driver()
-    live.declare(root, routes[0][1], routes[0][0], set(ctx.skipped))
-    return live
-
-
-class _Holding:
-    """A compiled graph that keeps the step driver alive while it lives."""
-
-    __slots__ = ("compiled", "driver")
-
-    def __init__(self, compiled, driver):
-        self.compiled, self.driver = compiled, driver
-
-    def __call__(self, *args):
-        return self.compiled(*args)
-
-
 def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=None, **kwargs):
     """Dynamo backend: insert the declared N:M recipes into the graph, then compile it."""
     options = dict(options or {})
@@ -370,8 +262,8 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     work = _copy(gm)
     base = _copy(gm)
     run_passes(work, TRAIN_PASSES, ctx)
-    _report(ctx, strict)
-    driver = _declare_plan(work, ctx)
+    report(ctx, strict)
+    driver = declare_plan(work, ctx)
     if ctx.targets:
         owned = [(parameter_fqn(src), owning_module(src, p)) for _, p, src in parameter_placeholders(work)]
         finalized = [fqn for fqn, o in owned if o is not None and deployed_of(*o) is not None]
@@ -383,7 +275,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             )
     else:
         run_passes(work, DEPLOY_PASSES, ctx)
-        _warn_if_trained(ctx, strict)
+        warn_if_trained(ctx, strict)
         if ctx.deployed:
             from .deploy import DeployRunner, record_decisions
 
@@ -392,7 +284,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             key = repr([(t.fqn, t.decision) for t in ctx.deployed])
             return DeployRunner(work, ctx, inner.compile(work, example, key), len(example_inputs))
         compiled = inner.compile(work, list(example_inputs))
-        return compiled if driver is None else _Holding(compiled, driver)
+        return compiled if driver is None else Holding(compiled, driver)
     owner_index: dict[str, int] = {}
     owners, slots = [], []
     for target in ctx.targets:
