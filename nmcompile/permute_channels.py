@@ -37,61 +37,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 
 from . import records
 from .masks.permutation import kept_magnitude, search_permutation
 from .pattern import is_stacked, reduction_dim
+from .permute_graph import BATCHNORMS, PRODUCERS, Skip, closure, find_producer
 from .permute_checks import (boundary_hooks, global_hooks, graph_reads, module_hooks, other_owners,
                              read_elsewhere, tensor_hooks, tensor_owners)
 from .permute_proof import ModelProbe, Unchecked, derive_inputs, mismatch, run_group
 
 __all__ = ["permute_channels", "PermutationReport", "PermutationGroup"]
-
-_PRODUCERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
-# element-wise modules: they commute with any permutation of channels
-_PASS_MODULES = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.GELU,
-    nn.SiLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.Hardtanh,
-    nn.Hardswish,
-    nn.Hardsigmoid,
-    nn.Mish,
-    nn.Softplus,
-    nn.Dropout,
-    nn.Identity,
-)
-_PASS_FUNCTIONS = {
-    torch.relu,
-    torch.relu_,
-    F.relu,
-    F.relu_,
-    F.relu6,
-    F.gelu,
-    F.silu,
-    F.mish,
-    F.elu,
-    torch.tanh,
-    F.tanh,
-    torch.sigmoid,
-    F.sigmoid,
-    F.leaky_relu,
-    F.hardtanh,
-    F.hardswish,
-    F.hardsigmoid,
-    F.softplus,
-    F.dropout,
-}
-_PASS_METHODS = {"relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_"}
-_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
-
 
 @dataclass
 class PermutationGroup:
@@ -149,85 +105,6 @@ class PermutationReport:
         return "\n".join(lines)
 
 
-class _Skip(Exception):
-    pass
-
-
-def _describe(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str:
-    if node.op == "call_module":
-        return f"{type(modules[node.target]).__name__} '{node.target}'"
-    if node.op == "call_function":
-        return f"{getattr(node.target, '__name__', str(node.target))} ({node.name})"
-    if node.op == "call_method":
-        return f".{node.target}() ({node.name})"
-    if node.op == "output":
-        return "the model's output"
-    return f"{node.op} '{node.target}'"
-
-
-def _kind(module: nn.Module) -> str:
-    return type(module).__name__ if isinstance(module, (nn.Conv1d, nn.Conv2d)) else "Linear"
-
-
-def _is_pass(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
-    if node.op == "call_module":
-        return isinstance(modules[node.target], _PASS_MODULES)
-    if node.op == "call_function":
-        return node.target in _PASS_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _PASS_METHODS
-    return False
-
-
-def _only_first_arg(user: torch.fx.Node, node: torch.fx.Node) -> bool:
-    """``node`` is ``user``'s first argument and appears nowhere else in its arguments."""
-    if not user.args or user.args[0] is not node:
-        return False
-    others: list[torch.fx.Node] = []
-    torch.fx.node.map_arg((user.args[1:], user.kwargs), others.append)
-    return node not in others
-
-
-def _supported_weight(module: nn.Module) -> bool:
-    return isinstance(module, _PRODUCERS) and getattr(module, "groups", 1) == 1
-
-
-def _find_producer(consumer: torch.fx.Node, modules) -> torch.fx.Node:
-    """Walk back from the consumer's input through pass-through ops and BatchNorm."""
-    kind = _kind(modules[consumer.target])
-    if not consumer.args or not isinstance(consumer.args[0], torch.fx.Node):
-        raise _Skip("its input is not a traced tensor")
-    cur = consumer.args[0]
-    while True:
-        if cur.op == "placeholder":
-            raise _Skip(f"its input channels come from the model input '{cur.target}', not a layer")
-        if cur.op == "call_module":
-            mod = modules[cur.target]
-            if _supported_weight(mod):
-                if _kind(mod) != kind:
-                    raise _Skip(f"its producer {_describe(cur, modules)} is a {_kind(mod)} and the "
-                                f"consumer a {kind}: their channel dims differ")
-                return cur
-            if isinstance(mod, _PRODUCERS):
-                raise _Skip(f"its producer {_describe(cur, modules)} is a grouped convolution")
-        if not (_is_pass(cur, modules) or _is_bn(cur, modules, kind)):
-            raise _Skip(f"{_describe(cur, modules)} between it and its producer does not commute "
-                        "with a channel permutation")
-        nxt = cur.args[0] if cur.args else None
-        if not isinstance(nxt, torch.fx.Node):
-            raise _Skip(f"{_describe(cur, modules)} has no traced tensor input")
-        cur = nxt
-
-
-def _is_bn(node: torch.fx.Node, modules, kind: str) -> bool:
-    if node.op != "call_module" or not isinstance(modules[node.target], _BATCHNORMS):
-        return False
-    # BatchNorm's channel dim is dim 1: the features of a 2-D Linear output, a Conv1d's channels
-    # (BatchNorm1d) or a Conv2d's channels (BatchNorm2d)
-    bn = modules[node.target]
-    return isinstance(bn, nn.BatchNorm2d) if kind == "Conv2d" else type(bn) is nn.BatchNorm1d
-
-
 def _as_columns(w: torch.Tensor) -> torch.Tensor:
     """(rows, in_channels) view of a Linear/Conv weight: columns are input channels."""
     return w.detach().movedim(1, -1).reshape(-1, w.shape[1])
@@ -260,7 +137,7 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0,
                                     "is implemented for nn.Linear, nn.Conv1d and nn.Conv2d (its N:M mask still applies)")
         elif mod is None or attr != "weight" or not isinstance(getattr(mod, "weight", None), nn.Parameter):
             report.skipped[name] = "not the weight (an nn.Parameter) of a module of the model"
-        elif not isinstance(mod, _PRODUCERS):
+        elif not isinstance(mod, PRODUCERS):
             report.skipped[name] = f"{type(mod).__name__} is not an nn.Linear, nn.Conv1d or nn.Conv2d"
         elif getattr(mod, "groups", 1) != 1:
             report.skipped[name] = f"grouped convolution (groups={mod.groups})"
@@ -306,9 +183,9 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0,
         if mod_name in done:
             continue
         try:
-            producer = _find_producer(node, modules)
-            group, path = _closure(producer, consumers, wanted, modules, calls)
-        except _Skip as why:
+            producer = find_producer(node, modules)
+            group, path = closure(producer, consumers, wanted, modules, calls)
+        except Skip as why:
             report.skipped[wanted[mod_name]] = str(why)
             done.add(mod_name)
             continue
@@ -318,7 +195,7 @@ def permute_channels(model: nn.Module, names, n: int, m: int, *, seed: int = 0,
             _check_group(producer, group, path, facts)
             result = _permute_checked(model, modules, producer, [consumers[c] for c in group], group_names,
                                       path, n, m, seed, probe, reference)
-        except _Skip as why:
+        except Skip as why:
             for name in group_names:
                 report.skipped[name] = str(why)
             continue
@@ -355,42 +232,6 @@ def _model_probe(model, graph, modules, example_inputs, seed) -> ModelProbe | No
     return probe
 
 
-def _closure(producer: torch.fx.Node, consumers: dict[str, torch.fx.Node], listed, modules, calls):
-    """Everything the producer's output flows into: the consumers (module names, graph order)
-    and the pass-through/BatchNorm nodes; any other use raises _Skip."""
-    kind = _kind(modules[producer.target])
-    group: list[str] = []
-    path: list[torch.fx.Node] = []
-    todo = [producer]
-    seen = {producer}
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user in seen:
-                continue
-            where = f"the output of '{producer.target}'" + ("" if node is producer else f" (through {node.name})")
-            if user.op == "call_module" and user.target in consumers and consumers[user.target] is user:
-                if not _only_first_arg(user, node):
-                    raise _Skip(f"{where} is passed to {_describe(user, modules)} in an unexpected way")
-                group.append(user.target)
-                seen.add(user)
-                continue
-            if (_is_pass(user, modules) or _is_bn(user, modules, kind)) and _only_first_arg(user, node):
-                seen.add(user)
-                path.append(user)
-                todo.append(user)
-                continue
-            extra = ""
-            if user.op == "call_module" and _supported_weight(modules[user.target]):
-                extra = " (called more than once)" if user.target in listed else " (not in names)"
-            raise _Skip(f"{where} is also used by {_describe(user, modules)}{extra}; "
-                        "permuting it would change the model's function")
-    order = {node: i for i, node in enumerate(producer.graph.nodes)}
-    group.sort(key=lambda t: order[calls[t][0]])
-    path.sort(key=order.__getitem__)
-    return group, path
-
-
 @dataclass
 class _Facts:
     """What every group's structural check reads: the model's modules and call sites, every name
@@ -408,46 +249,46 @@ def _check_group(producer, group, path, facts: _Facts):
     modules, calls = facts.modules, facts.calls
     prod = modules[producer.target]
     if len(calls[producer.target]) != 1:
-        raise _Skip(f"its producer '{producer.target}' is called more than once")
+        raise Skip(f"its producer '{producer.target}' is called more than once")
     channels = prod.weight.shape[0]
     for c in group:
         if modules[c].weight.shape[1] != channels:
-            raise _Skip(f"'{c}' takes {modules[c].weight.shape[1]} channels but '{producer.target}' "
+            raise Skip(f"'{c}' takes {modules[c].weight.shape[1]} channels but '{producer.target}' "
                         f"makes {channels}")
     for node in path:
-        if node.op == "call_module" and isinstance(modules[node.target], _BATCHNORMS):
+        if node.op == "call_module" and isinstance(modules[node.target], BATCHNORMS):
             if len(calls[node.target]) != 1:
-                raise _Skip(f"BatchNorm '{node.target}' on the path is called more than once")
+                raise Skip(f"BatchNorm '{node.target}' on the path is called more than once")
             if modules[node.target].num_features != channels:
-                raise _Skip(f"BatchNorm '{node.target}' has {modules[node.target].num_features} "
+                raise Skip(f"BatchNorm '{node.target}' has {modules[node.target].num_features} "
                             f"features, not {channels}")
             if isinstance(prod, nn.Linear) and not facts.given_inputs:
-                raise _Skip(f"BatchNorm1d '{node.target}' normalizes dim 1, which is the features of "
+                raise Skip(f"BatchNorm1d '{node.target}' normalizes dim 1, which is the features of "
                             f"'{producer.target}' (a Linear) only for 2-D inputs; pass example_inputs to "
                             "permute_channels to check it")
     if channels % facts.m:
-        raise _Skip(f"{channels} channels are not a multiple of m={facts.m}")
+        raise Skip(f"{channels} channels are not a multiple of m={facts.m}")
     chain = [producer.target, *(p.target for p in path if p.op == "call_module"), *group]
     for mod_name in chain:
         reason = module_hooks(mod_name, modules[mod_name])
         if reason is not None:
-            raise _Skip(reason)
+            raise Skip(reason)
     reason = boundary_hooks(chain, modules)
     if reason is not None:
-        raise _Skip(reason)
+        raise Skip(reason)
     for mod_name, tensor_name, t in _moved(modules, producer.target, group, path):
         name = f"{mod_name}.{tensor_name}"
         others = other_owners(name, t, facts.owners)
         if others:
-            raise _Skip(f"'{name}' shares its memory with {', '.join(others)}; permuting it would change them too")
+            raise Skip(f"'{name}' shares its memory with {', '.join(others)}; permuting it would change them too")
         reason = tensor_hooks(name, t) or read_elsewhere(name, t, facts.reads)
         if reason is not None:
-            raise _Skip(reason)
+            raise Skip(reason)
     for mod_name in chain:
         for pname, t in [*modules[mod_name].named_parameters(recurse=False),
                          *modules[mod_name].named_buffers(recurse=False)]:
             if records.get(modules[mod_name], records.RECIPES, pname) is not None:
-                raise _Skip(f"'{mod_name}.{pname}' already carries an nmcompile recipe whose state "
+                raise Skip(f"'{mod_name}.{pname}' already carries an nmcompile recipe whose state "
                             "would no longer match; permute before annotating")
 
 
@@ -457,7 +298,7 @@ def _moved(modules, producer: str, group, path) -> list[tuple[str, str, torch.Te
     if modules[producer].bias is not None:
         out.append((producer, "bias", modules[producer].bias))
     for p in path:
-        if p.op == "call_module" and isinstance(modules[p.target], _BATCHNORMS):
+        if p.op == "call_module" and isinstance(modules[p.target], BATCHNORMS):
             bn = modules[p.target]
             for t in ("weight", "bias", "running_mean", "running_var"):
                 if getattr(bn, t) is not None:
@@ -473,7 +314,7 @@ def _permute_checked(model, modules, producer, consumer_nodes, group_names, path
         try:
             reference = run_group(model, modules, producer, path, consumer_nodes, seed)
         except Unchecked as why:
-            raise _Skip(f"it cannot be checked numerically ({why}); pass example_inputs to "
+            raise Skip(f"it cannot be checked numerically ({why}); pass example_inputs to "
                         "permute_channels") from None
     saved = [(t, t.detach().clone()) for *_, t in _moved(modules, producer.target, group, path)]
     result = _permute_group(modules, producer.target, group, group_names, path, n, m, seed)
@@ -488,7 +329,7 @@ def _permute_checked(model, modules, producer, consumer_nodes, group_names, path
         for t, old in saved:
             t.copy_(old)
     where = probe.source if probe is not None else "the group's layers on an input for its producer"
-    raise _Skip(f"permuting '{producer.target}' > {', '.join(group)} changed {where}: {why}; "
+    raise Skip(f"permuting '{producer.target}' > {', '.join(group)} changed {where}: {why}; "
                 "left unpermuted (something reads these channels in an order the trace does not show)")
 
 
@@ -497,7 +338,7 @@ def _permute_group(modules, producer: str, group, group_names, path, n, m, seed)
     before = kept_magnitude(matrix, n, m)
     perm = search_permutation(matrix, n, m, seed=seed)
     after = kept_magnitude(matrix[:, perm], n, m)
-    bns = [p.target for p in path if p.op == "call_module" and isinstance(modules[p.target], _BATCHNORMS)]
+    bns = [p.target for p in path if p.op == "call_module" and isinstance(modules[p.target], BATCHNORMS)]
     if not torch.equal(perm, torch.arange(perm.numel())):
         with torch.no_grad():
             for mod_name, _, t in _moved(modules, producer, group, path):

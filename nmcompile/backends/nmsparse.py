@@ -26,7 +26,7 @@ from torch import fx
 from ..annotate import annotation_of, attach, state_of
 from ..records import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
-from ..passes._graph import owning_module, parameter_fqn, parameter_placeholders, source_name
+from ..passes._sources import owning_module, parameter_fqn, parameter_placeholders, source_name
 from ..plan import Plan
 from .inner import Inner, parse_options
 from .reconcile import Holding, declare_plan, fresh_state_message, report, warn_if_trained

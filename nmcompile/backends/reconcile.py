@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from ..passes import PassContext
-from ..passes._graph import parameter_placeholders, root_module
+from ..passes._sources import parameter_placeholders, root_module
 
 __all__ = ["report", "fresh_state_message", "warn_if_trained", "declare_plan", "Holding"]
 

@@ -13,7 +13,7 @@ from torch import fx, nn
 
 from ..backends.dispatch import Decision, qualify
 from ..records import deployed_of
-from . import _graph
+from . import _graph, _sources
 from .context import DeployTarget, PassContext
 
 
@@ -28,8 +28,8 @@ def _bias_of(use: fx.Node, weight: fx.Node):
 
 
 def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
-    for node, param, source in _graph.parameter_placeholders(gm):
-        owned = _graph.owning_module(source, param)
+    for node, param, source in _sources.parameter_placeholders(gm):
+        owned = _sources.owning_module(source, param)
         record = deployed_of(*owned) if owned else None
         if record is None:
             continue
@@ -53,6 +53,6 @@ def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
                 weight = param.detach()
                 decision = qualify(weight.t() if transposed else weight, ctx.deploy_kernel)
         bias = _bias_of(linear[0], node) if linear else None  # for timing; each call keeps its own bias
-        fqn = _graph.parameter_fqn(source)
+        fqn = _sources.parameter_fqn(source)
         ctx.deployed.append(DeployTarget(node, fqn, param, bias, linear, decision, transposed))
     return len(ctx.deployed)

@@ -13,7 +13,7 @@ from torch import fx
 from ..records import annotation_of, deployed_of
 from ..recipes import parse
 from ..sharding import full
-from . import _graph
+from . import _graph, _sources
 from .context import NMTarget, PassContext
 
 
@@ -45,11 +45,11 @@ def _clock(owned) -> int:
 
 def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
     found = 0
-    for node, param, source in _graph.parameter_placeholders(gm):
+    for node, param, source in _sources.parameter_placeholders(gm):
         users = list(node.users)
         uses = [_graph.weight_use(user, node) for user in users]
-        fqn = _graph.parameter_fqn(source)
-        owned = _graph.owning_module(source, param)
+        fqn = _sources.parameter_fqn(source)
+        owned = _sources.owning_module(source, param)
         if param.dim() >= 2:
             ctx.weights.append(fqn)
         if not any(kind == "gemm" for kind, _ in uses):
@@ -67,7 +67,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         recipe, origin = _resolve(ctx, owned, fqn, node, users)
         ctx.declared = ctx.declared or origin is not None
         if recipe is None:
-            if owned is None and _graph.owner_source(source) is not None and origin is None:
+            if owned is None and _sources.owner_source(source) is not None and origin is None:
                 ctx.skipped[fqn] = (
                     "its owning module cannot be reached from the compiled frame, so a recipe recorded by "
                     "nmcompile.annotate cannot be read; declare it through options={'recipe': ...} instead"
@@ -76,7 +76,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         skip = None
         dims = {dim for kind, dim in uses if kind == "gemm"}
         others = sorted({kind for kind, _ in uses if kind != "gemm"})
-        owner = _graph.owner_source(source)
+        owner = _sources.owner_source(source)
         if "embedding" in others:
             skip = "tied to an embedding; embeddings and tied weights are never sparsified"
         elif others:
