@@ -230,7 +230,8 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
             continue
         chosen.append((name, module, pname, recipe, dim))
     if strict and not chosen:
-        raise ValueError(f"annotate: {plan} selects no weight of {type(records.root(model)).__name__}")
+        raise ValueError(f"annotate(strict=True): the declaration selects no weight of "
+                         f"{type(records.root(model)).__name__}\n{report}")
     for recipe in dict.fromkeys(r for *_, r, _ in chosen):  # model-level work first (ASP permutes)
         weights = [(n, m._parameters[p]) for n, m, p, r, _ in chosen if r == recipe]
         if recipe.prepares_model:

@@ -155,12 +155,17 @@ class StepDriver:
             names = self.watched[module] = {}
         names.setdefault(pname, name)
 
-    def _groups(self, optimizer, per: _PerOptimizer) -> dict:
+    def _groups(self, optimizer, per: _PerOptimizer, every_weight: bool) -> dict:
+        """``{recipe: [Tracked]}`` of the weights this step has work for: those with a schedule, those
+        no graph has used yet (see :func:`_warn_if_never_compiled`), and all with ``every_weight``
+        (diagnostics, finite check). A weight without a schedule costs nothing per step after that."""
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         groups: dict = {}
         tracked = {}
         for module, names in list(self.watched.items()):
             for pname, ann in records.table(module, records.RECIPES).items():
+                if not (every_weight or ann.recipe.clocked or not ann.consumed):
+                    continue
                 param = module._parameters.get(pname)
                 if param is None or id(param) not in in_optimizer:
                     continue
@@ -176,9 +181,10 @@ class StepDriver:
         per = self.optimizers.get(optimizer)
         if per is None:
             per = self.optimizers[optimizer] = _PerOptimizer()
+        settings = self.settings.get(optimizer)
         with torch.no_grad():
-            per.groups = self._groups(optimizer, per)
-            settings = self.settings.get(optimizer)
+            every_weight = settings is not None and bool(settings.check_finite or settings.diagnostics_every)
+            per.groups = self._groups(optimizer, per, every_weight)
             if settings is not None and settings.check_finite:
                 _raise_if_not_finite(per.groups, per.steps + 1)
             _warn_if_never_compiled(per.groups)

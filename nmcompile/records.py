@@ -1,6 +1,6 @@
 """Where declarations live: a table on each owning module, keyed by parameter name.
 
-A recipe record (:class:`nmcompile.annotate.WeightAnnotation`) or a deploy record
+A recipe record (:class:`WeightAnnotation`) or a deploy record
 (:class:`nmcompile.finalize.Deployed`) belongs to the module that owns the weight, under the
 parameter's attribute name, never to the ``nn.Parameter`` object. Whatever replaces parameter
 objects keeps the declaration by construction: FSDP2's ``fully_shard`` (before or after

@@ -115,6 +115,11 @@ def run_ranks(fn, *args, timeout_s: float = 300) -> None:
             pytest.fail(f"ranks did not finish within {timeout_s} s")
 
 
+def per_rank(directory, stem: str) -> list:
+    """What each rank saved as ``<directory>/<stem><rank>.pt``, in rank order."""
+    return [torch.load(f"{directory}/{stem}{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
 def snapshot(net) -> dict:
     """Effective weights (whole), recipe state and whole parameters of ``net``, as plain tensors."""
     from nmcompile.sharding import full

@@ -12,7 +12,7 @@ import io
 
 import pytest
 import torch
-from _distributed import RECIPES, STEPS, STOP, WORLD, Net, check, rank_loss, run_ranks, snapshot, train
+from _distributed import RECIPES, STEPS, STOP, Net, check, per_rank, rank_loss, run_ranks, snapshot, train
 from torch import nn
 
 import nmcompile
@@ -69,7 +69,7 @@ def _worker(rank: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_ddp_every_recipe_agrees_resumes_and_matches_one_process(tmp_path):
     run_ranks(_worker, str(tmp_path), timeout_s=600)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
+    r0, r1 = per_rank(tmp_path, "rank")
     # rank 1 started from other random weights; DDP broadcast rank 0's before the first step
     assert not all(torch.equal(r0["ste"]["initial"][k], r1["ste"]["initial"][k]) for k in r0["ste"]["initial"])
     check(r0, r1, _setup)  # one process starts from rank 0's weights (seed 0)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _distributed import RECIPES, STEPS, STOP, WORLD, Net, check, nm_ok, rank_loss, run_ranks, snapshot, train
+from _distributed import (RECIPES, STEPS, STOP, Net, check, nm_ok, per_rank, rank_loss,
+                          run_ranks, snapshot, train)
 
 import nmcompile
 
@@ -83,7 +84,7 @@ def _worker(rank: int, out_dir: str) -> None:
 def test_fsdp2_every_recipe_agrees_resumes_and_matches_one_process(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     run_ranks(_worker, str(tmp_path), timeout_s=600)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
+    r0, r1 = per_rank(tmp_path, "rank")
     two0, two1 = r0.pop("asp two-step"), r1.pop("asp two-step")
     assert two0["groups"] > 0  # the permutation ran before sharding
     assert len(two0["whole"]["effective"]) == 4

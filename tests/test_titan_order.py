@@ -17,7 +17,8 @@ import warnings
 
 import pytest
 import torch
-from _distributed import RECIPES, STEPS, STOP, WORLD, Net, batch, nm_ok, rank_loss, run_ranks, snapshot, train
+from _distributed import (RECIPES, STEPS, STOP, WORLD, Net, batch, nm_ok, per_rank,
+                          rank_loss, run_ranks, snapshot, train)
 
 import nmcompile
 
@@ -109,8 +110,7 @@ def test_torchtitan_order_trains_saves_and_resumes_every_recipe(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     run_ranks(_first, str(tmp_path), timeout_s=900)
     run_ranks(_resume, str(tmp_path), timeout_s=600)  # fresh processes
-    first = [torch.load(tmp_path / f"first-rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    resumed = [torch.load(tmp_path / f"resume-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    first, resumed = per_rank(tmp_path, "first-rank"), per_rank(tmp_path, "resume-rank")
     for name, spec in RECIPES.items():
         recipe = nmcompile.recipe(spec)
         a, b = first[0][name], first[1][name]
@@ -177,7 +177,7 @@ def _annotate_first(rank: int, out_dir: str) -> None:
 def test_annotate_before_fully_shard_on_real_weights(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     run_ranks(_annotate_first, str(tmp_path), timeout_s=300)
-    r0, r1 = (torch.load(tmp_path / f"first-{r}.pt", weights_only=False) for r in range(WORLD))
+    r0, r1 = per_rank(tmp_path, "first-")
     for units in ("layers", "blocks"):
         a, b = r0[units], r1[units]
         assert len(a["effective"]) == 4 and a["effective"].keys() == b["effective"].keys(), units

@@ -26,10 +26,10 @@ from torch import fx
 from ..annotate import annotation_of, attach, state_of
 from ..records import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
-from ..passes._sources import owning_module, parameter_fqn, parameter_placeholders, source_name
+from ..passes._sources import source_name
 from ..plan import Plan
 from .inner import Inner, parse_options
-from .reconcile import Holding, declare_plan, fresh_state_message, report, warn_if_trained
+from .reconcile import Holding, declare_plan, fresh_state_message, report, warn_if_mixed, warn_if_trained
 
 __all__ = ["nmsparse_backend"]
 
@@ -265,14 +265,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     report(ctx, strict)
     driver = declare_plan(work, ctx)
     if ctx.targets:
-        owned = [(parameter_fqn(src), owning_module(src, p)) for _, p, src in parameter_placeholders(work)]
-        finalized = [fqn for fqn, o in owned if o is not None and deployed_of(*o) is not None]
-        if finalized:
-            warnings.warn(
-                f"nmsparse: {', '.join(finalized)} are finalized but this graph also trains recipes, so they run "
-                "dense; the deploy kernels apply to a graph whose weights are all finalized or dense",
-                stacklevel=2,
-            )
+        warn_if_mixed(work, strict)
     else:
         run_passes(work, DEPLOY_PASSES, ctx)
         warn_if_trained(ctx, strict)

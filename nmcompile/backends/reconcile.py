@@ -16,9 +16,10 @@ import torch
 from torch import fx
 
 from ..passes import PassContext
-from ..passes._sources import parameter_placeholders, root_module
+from ..passes._sources import owning_module, parameter_fqn, parameter_placeholders, root_module
+from ..records import deployed_of
 
-__all__ = ["report", "fresh_state_message", "warn_if_trained", "declare_plan", "Holding"]
+__all__ = ["report", "fresh_state_message", "warn_if_trained", "warn_if_mixed", "declare_plan", "Holding"]
 
 log = logging.getLogger("nmcompile")
 
@@ -92,6 +93,21 @@ def warn_if_trained(ctx: PassContext, strict: bool) -> None:
         "them dense. To fine-tune and keep the pattern, declare a recipe for them, e.g. "
         "nmcompile.annotate(model, 'asp:2:4,permute=False') (its mask keeps the current zeros); for inference, "
         "run under torch.no_grad() or torch.inference_mode(), or call requires_grad_(False)"
+    )
+    if strict:
+        raise ValueError(message)
+    warnings.warn(message, stacklevel=3)
+
+
+def warn_if_mixed(gm: fx.GraphModule, strict: bool) -> None:
+    """Finalized weights in a graph that also trains recipes run dense there: say so."""
+    owned = [(parameter_fqn(src), owning_module(src, p)) for _, p, src in parameter_placeholders(gm)]
+    finalized = [fqn for fqn, o in owned if o is not None and deployed_of(*o) is not None]
+    if not finalized:
+        return
+    message = (
+        f"nmsparse: {', '.join(finalized)} are finalized but this graph also trains recipes, so they run dense; "
+        "the deploy kernels apply to a graph whose weights are all finalized or dense"
     )
     if strict:
         raise ValueError(message)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..records import annotation_of, deployed_of
+from ..records import annotation_of, deployed_of, state_dict_of
 from ..recipes import parse
-from ..sharding import full
 from . import _graph, _sources
 from .context import NMTarget, PassContext
 
@@ -38,9 +37,10 @@ def _clock(owned) -> int:
     ann = annotation_of(*owned)
     if ann is None or ann.pending:
         return 0
-    module, pname = owned
-    step = module._buffers.get(ann.buffer_names(pname)[ann.recipe.state_names.index("step")])
-    return int(full(step)) if step is not None else 0
+    try:
+        return ann.clock.read(state_dict_of(*owned, ann)["step"])
+    except KeyError:  # state buffers removed: the runner recreates them, from step 0
+        return 0
 
 
 def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
