@@ -1,4 +1,4 @@
-"""Checkpoint bytes: finalized 2:4 model saved dense vs with packed 2:4 weights (nmcompile.pack_state_dict).
+"""Checkpoint bytes: finalized 2:4 model saved dense vs with packed 2:4 weights (nmcompile.deploy.pack_state_dict).
 
 Model: a GPT-2-medium-shaped stack of transformer blocks (d=1024, MLP 4096, random init; no
 embeddings, which stay dense anyway), every linear weight annotated ``ste:2:4`` and finalized.
@@ -40,8 +40,8 @@ def main() -> None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in net.state_dict().items()}
             dense, packed = os.path.join(tmp, "dense.pt"), os.path.join(tmp, "packed.pt")
             torch.save(state, dense)
-            torch.save(nmcompile.pack_state_dict(state), packed)
-            restored = nmcompile.unpack_state_dict(torch.load(packed, weights_only=True))
+            torch.save(nmcompile.deploy.pack_state_dict(state), packed)
+            restored = nmcompile.deploy.unpack_state_dict(torch.load(packed, weights_only=True))
             exact = restored.keys() == state.keys() and all(torch.equal(restored[k], state[k]) for k in state)
             a, b = os.path.getsize(dense), os.path.getsize(packed)
             print(f"| {str(dtype).removeprefix('torch.')} | {a:,} | {b:,} | {b / a:.4f} | {'exact' if exact else 'MISMATCH'} |")

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nmcompile.chargpt import CharGPT, GPTConfig
-from nmcompile.datasets import CharCorpus, mnist_5k, shakespeare
-from nmcompile.progress import Progress
-from nmcompile.run import train_run
+from nmcompile.app.chargpt import CharGPT, GPTConfig
+from nmcompile.app.datasets import CharCorpus, mnist_5k, shakespeare
+from nmcompile.app.progress import Progress
+from nmcompile.app.run import train_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "quality.jsonl")

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import nmcompile
-from nmcompile.datasets import mnist_5k
+from nmcompile.app.datasets import mnist_5k
 from quality import Task
 
 

@@ -98,7 +98,7 @@ def deploy(model, test_set, out: str) -> None:
         print(f"  {name}: {decision}")
     torch.save(model.state_dict(), out)  # loads into the plain model, no nmcompile needed
     packed = out.removesuffix(".pt") + ".packed.pt"
-    torch.save(nmcompile.pack_state_dict(model.half().state_dict()), packed)
+    torch.save(nmcompile.deploy.pack_state_dict(model.half().state_dict()), packed)
     torch.save(model.state_dict(), out + ".fp16")
     model.float()
     sizes = [os.path.getsize(path) for path in (out + ".fp16", packed)]

@@ -1,60 +1,57 @@
 """nmcompile: N:M structured sparsity as a torch.compile pass.
 
 Declare recipes as annotations (``annotate``, backend options, ``NMSPARSE_RECIPE``, ``region``),
-then ``torch.compile(model, backend="nmsparse")``. Importing nmcompile imports no ONNX, TensorRT or
-CUDA code.
+then ``torch.compile(model, backend="nmsparse")``. The everyday verbs are here; the rest lives in
+its stage's module (``nmcompile.declare``, ``nmcompile.training``, ``nmcompile.deploy``,
+``nmcompile.app``; see docs/architecture.md). Importing nmcompile imports no ONNX, TensorRT or
+CUDA code, and not the demo application.
 """
 
 from . import ops as _ops  # registers the nmsparse:: custom ops
 from . import recipes
-from .annotate import AnnotationReport, annotate
-from .diagnostics import diagnostics, plot_diagnostics
-from .finalize import FinalizeReport, deploy_report, finalize
-from .inspection import CheckReport, check, effective_weights
-from .pattern import NMPattern
-from .optimizer_hook import hook_optimizer
-from .packed import Packed24, pack, pack_state_dict, unpack, unpack_state_dict
-from .plan import Plan
+from .declare import annotate, region
+from .deploy import check, deploy_report, effective_weights, export_onnx, finalize, pack, unpack
 from .recipes import parse as recipe
-from .region import region
-from .report import save_run
+from .training import diagnostics, hook_optimizer
+from .version import __version__
 
 __all__ = [
+    # declare
     "annotate",
-    "AnnotationReport",
-    "check",
-    "CheckReport",
-    "diagnostics",
-    "deploy_report",
-    "export_onnx",
-    "finalize",
-    "FinalizeReport",
-    "pack",
-    "unpack",
-    "pack_state_dict",
-    "unpack_state_dict",
-    "Packed24",
-    "hook_optimizer",
-    "plot_diagnostics",
-    "save_run",
-    "effective_weights",
-    "NMPattern",
-    "Plan",
+    "region",
     "recipe",
     "recipes",
-    "region",
+    # train
+    "effective_weights",
+    "hook_optimizer",
+    "diagnostics",
+    # deploy
+    "finalize",
+    "deploy_report",
+    "check",
+    "export_onnx",
+    "pack",
+    "unpack",
     "__version__",
 ]
 
-__version__ = "0.1.0"
+# Names that left the top level, and where they live now: a clear error instead of a bare AttributeError.
+_MOVED = {
+    "AnnotationReport": "nmcompile.declare",
+    "Plan": "nmcompile.declare",
+    "FinalizeReport": "nmcompile.deploy",
+    "CheckReport": "nmcompile.deploy",
+    "Packed24": "nmcompile.deploy",
+    "pack_state_dict": "nmcompile.deploy",
+    "unpack_state_dict": "nmcompile.deploy",
+    "plot_diagnostics": "nmcompile.training",
+    "save_run": "nmcompile.app",
+    "NMPattern": "nmcompile.pattern",
+}
 
 
-def export_onnx(model, args, path, **kwargs):
-    """ONNX export of a finalized model, verified N:M and checked against onnxruntime.
-
-    See :func:`nmcompile.backends.onnx.export_onnx` (imported on first use: ``onnx``,
-    ``onnxscript`` and ``onnxruntime`` load only here).
-    """
-    from .backends.onnx import export_onnx as _export
-
-    return _export(model, args, path, **kwargs)
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"nmcompile.{name} is not a top-level name; import it from {_MOVED[name]} "
+                             f"(from {_MOVED[name]} import {name})")
+    raise AttributeError(f"module 'nmcompile' has no attribute {name!r}")

@@ -122,7 +122,7 @@ def per_rank(directory, stem: str) -> list:
 
 def snapshot(net) -> dict:
     """Effective weights (whole), recipe state and whole parameters of ``net``, as plain tensors."""
-    from nmcompile.sharding import full
+    from nmcompile.state.sharding import full
 
     sd = net.state_dict()
     return {

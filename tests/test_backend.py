@@ -12,8 +12,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import nmcompile
-from nmcompile import records
-from nmcompile.annotate import WeightAnnotation, annotation_of
+from nmcompile.state import records
+from nmcompile.declare.annotate import WeightAnnotation, annotation_of
 from nmcompile import recipes
 from nmcompile.backends.inner import parse_options
 
@@ -68,9 +68,9 @@ def test_backend_found_by_entry_point_without_import():
 
 @pytest.mark.slow
 def test_import_is_lean():
-    heavy = ("onnx", "onnxruntime", "onnxscript", "torch_tensorrt", "matplotlib", "transformers", "nmcompile.demo",
-             "nmcompile.chargpt", "nmcompile.datasets", "nmcompile.cli", "nmcompile.backends.onnx",
-             "nmcompile.backends.tensorrt")
+    heavy = ("onnx", "onnxruntime", "onnxscript", "torch_tensorrt", "matplotlib", "transformers", "nmcompile.app.demo",
+             "nmcompile.app.chargpt", "nmcompile.app.datasets", "nmcompile.app.cli", "nmcompile.deploy.onnx",
+             "nmcompile.deploy.tensorrt")
     code = f"import sys, nmcompile; print([m for m in {heavy!r} if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "[]", result.stderr[-2000:]

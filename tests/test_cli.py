@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import nmcompile
-from nmcompile.cli import main
+from nmcompile.app.cli import main
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "nmcompile.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "nmcompile.app.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def run_here(capsys, *args):

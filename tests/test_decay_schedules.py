@@ -174,7 +174,7 @@ def test_first_call_under_inference_mode_then_training_counts_steps(spec, route)
 
 
 def test_clock_reads_an_inference_step_and_refuses_to_count_on_it():
-    from nmcompile.clock import StepMirror
+    from nmcompile.state.clock import StepMirror
 
     clock = StepMirror()
     with torch.inference_mode():

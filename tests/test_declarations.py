@@ -15,7 +15,7 @@ from torch import nn
 
 import nmcompile
 from nmcompile import recipes
-from nmcompile.annotate import annotation_of
+from nmcompile.declare.annotate import annotation_of
 
 AOT = {"inner": "aot_eager"}
 

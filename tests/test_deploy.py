@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 import nmcompile
-from nmcompile.backends.deploy import DeployRunner
-from nmcompile.backends.dispatch import qualify
-from nmcompile.backends.inductor import CacheKeyPass, with_cache_key
+from nmcompile.backends.deploy_runner import DeployRunner
+from nmcompile.kernels.dispatch import qualify
+from nmcompile.kernels.inductor import CacheKeyPass, with_cache_key
 from nmcompile.backends.nmsparse import nmsparse_backend
-from nmcompile.finalize import deployed_of
-from nmcompile.records import owners
+from nmcompile.deploy.finalize import deployed_of
+from nmcompile.state.records import owners
 
 SPARSE_OP = torch.ops.nmsparse.sparse_linear.default
 
@@ -202,7 +202,7 @@ def test_gpt2_conv1d_addmm_weights_are_rewritten_through_their_transpose():
 
 
 def test_break_even_token_count():
-    from nmcompile.backends.dispatch import break_even
+    from nmcompile.kernels.dispatch import break_even
 
     ladder = (1, 16, 64, 256)
     assert break_even(ladder, [True, True, True, True]) == 0

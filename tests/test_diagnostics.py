@@ -47,6 +47,6 @@ def test_plot_writes_a_png(tmp_path):
     model, _ = run("step:2:4,total_steps=6,t_max=0.5", steps=6, optimizer=torch.optim.Adam)
     diag = nmcompile.diagnostics(model)
     assert int(diag["0.weight"]["switch_step"]) == 3 and diag["0.weight"]["z"].numel() == 3
-    path = nmcompile.plot_diagnostics(diag, tmp_path / "masks.png")
+    path = nmcompile.training.plot_diagnostics(diag, tmp_path / "masks.png")
     data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -327,7 +327,7 @@ def test_tiny_mixtral_trains_sr_ste_per_expert(caplog, tmp_path):
         packed = nmcompile.pack(weight)
         assert packed.values.shape == (*weight.shape[:-1], weight.shape[-1] // 2)
         assert torch.equal(nmcompile.unpack(packed), weight)
-    state = nmcompile.packed.pack_state_dict(model.state_dict())
+    state = nmcompile.deploy.pack_state_dict(model.state_dict())
     assert all(name + ".nm24_meta" in state for name in EXPERT_WEIGHTS)
     assert nmcompile.check(state, dim=-1)[EXPERT_WEIGHTS[0]].ok
 

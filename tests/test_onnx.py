@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import nmcompile
-from nmcompile.backends.onnx import METADATA_KEY
-from nmcompile.cli import main as cli
+from nmcompile.deploy.onnx import METADATA_KEY
+from nmcompile.app.cli import main as cli
 from test_models import CNN, encoder_layer
 
 onnx = pytest.importorskip("onnx", reason="pip install 'nmcompile[onnx]'")

@@ -6,7 +6,7 @@ from torch.sparse._semi_structured_conversions import sparse_semi_structured_fro
 
 import nmcompile
 import reference
-from nmcompile.packed import META_SUFFIX
+from nmcompile.kernels.packed import META_SUFFIX
 
 
 def pruned(shape, dtype=torch.float32):
@@ -52,12 +52,12 @@ def test_checkpoint_with_packed_weights_takes_56_percent_of_the_bytes(tmp_path):
     state["layer0.bias"] = torch.randn(256, dtype=torch.float16)
     dense_path, packed_path = tmp_path / "dense.pt", tmp_path / "packed.pt"
     torch.save(state, dense_path)
-    packed = nmcompile.pack_state_dict(state)
+    packed = nmcompile.deploy.pack_state_dict(state)
     assert set(packed) == set(state) | {f"layer{i}.weight{META_SUFFIX}" for i in range(4)}
     torch.save(packed, packed_path)
     ratio = packed_path.stat().st_size / dense_path.stat().st_size
     assert 0.55 < ratio < 0.58, ratio  # 9/16 of the weight bytes, plus the dense bias and file overhead
-    restored = nmcompile.unpack_state_dict(torch.load(packed_path, weights_only=True))
+    restored = nmcompile.deploy.unpack_state_dict(torch.load(packed_path, weights_only=True))
     assert restored.keys() == state.keys() and all(torch.equal(restored[k], state[k]) for k in state)
     assert nmcompile.check(packed_path).ok  # the checker unpacks
 
@@ -68,9 +68,9 @@ def test_bad_input_gets_errors_that_say_how_to_fix_it():
     with pytest.raises(ValueError, match="multiple of 16.*pad"):
         nmcompile.pack(torch.zeros(4, 12))
     with pytest.raises(ValueError, match="do not belong together"):
-        nmcompile.unpack(nmcompile.Packed24(torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int16)))
+        nmcompile.unpack(nmcompile.deploy.Packed24(torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int16)))
     with pytest.raises(ValueError, match="cannot be packed"):
-        nmcompile.pack_state_dict({"w": torch.randn(4, 16)}, names={"w"})
+        nmcompile.deploy.pack_state_dict({"w": torch.randn(4, 16)}, names={"w"})
     with pytest.raises(ValueError, match="rows divisible by 32"):
         nmcompile.pack(pruned((16, 32), torch.float16)).cutlass()
 
@@ -99,10 +99,10 @@ def test_unpack_refuses_metadata_that_is_not_nmcompile_s_layout():
     not_ours["i0 > i1"] = (packed.values, reversed_pair)
     for what, (values, meta) in not_ours.items():
         try:
-            nmcompile.unpack(nmcompile.Packed24(values, meta))
+            nmcompile.unpack(nmcompile.deploy.Packed24(values, meta))
         except ValueError as err:
             assert "not nmcompile's packed layout" in str(err), what
         else:
             pytest.fail(f"unpack accepted metadata with {what}")
     with pytest.raises(ValueError, match="not nmcompile's packed layout"):
-        nmcompile.unpack_state_dict({"w": packed.values, "w" + META_SUFFIX: equal_indices})
+        nmcompile.deploy.unpack_state_dict({"w": packed.values, "w" + META_SUFFIX: equal_indices})

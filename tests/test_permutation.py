@@ -8,7 +8,7 @@ from torch import nn
 from nmcompile.masks import keep_mask
 from nmcompile.masks import permutation as perm_mod
 from nmcompile.masks.permutation import kept_magnitude, search_permutation
-from nmcompile.permute_channels import PermutationReport, permute_channels
+from nmcompile.permute.channels import PermutationReport, permute_channels
 
 
 def _is_permutation(p: torch.Tensor, c: int) -> bool:
@@ -302,7 +302,7 @@ def test_unsafe_permutations_are_skipped_and_the_model_left_alone(make, names, r
 
 
 def test_already_annotated_weights_are_left_alone():
-    from nmcompile import records
+    from nmcompile.state import records
 
     model = MLP()
     records.put(model.fc1, records.RECIPES, "weight", object())  # as if a recipe (with state) were recorded

@@ -4,7 +4,7 @@ from torch import nn
 
 import nmcompile
 from nmcompile import recipes
-from nmcompile.plan import Plan
+from nmcompile.declare.plan import Plan
 
 
 def test_first_matching_rule_wins():

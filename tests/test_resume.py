@@ -39,7 +39,7 @@ from torch import nn
 
 import nmcompile
 from nmcompile import recipes
-from nmcompile.annotate import annotation_of
+from nmcompile.declare.annotate import annotation_of
 
 T = 12  # optimizer steps of every run
 LR = 1e-2

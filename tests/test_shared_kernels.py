@@ -5,7 +5,8 @@ import torch
 from torch import fx, nn
 
 import nmcompile
-from nmcompile import ops, shared_kernels
+from nmcompile import ops
+from nmcompile.kernels import shared as shared_kernels
 from nmcompile.backends.inner import Inner
 
 

@@ -1,4 +1,4 @@
-"""nmcompile.backends.tensorrt: builder-log parsing and the deploy routes' errors (CPU), and a TensorRT build (GPU)."""
+"""nmcompile.deploy.tensorrt: builder-log parsing and the deploy routes' errors (CPU), and a TensorRT build (GPU)."""
 
 import contextlib
 import importlib
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from nmcompile.backends import tensorrt as trt_route
-from nmcompile.backends.tensorrt import SparsityLog, compile_aot, onnx_session, parse_sparsity_log
+from nmcompile.deploy import tensorrt as trt_route
+from nmcompile.deploy.tensorrt import SparsityLog, compile_aot, onnx_session, parse_sparsity_log
 
 TRTEXEC = """\
 [03/23/2021-00:14:05] [I] [TRT] Some unrelated line: with, commas

@@ -4,7 +4,7 @@ Options (``torch.compile(model, backend="nmsparse", options={...})``):
 
 - ``recipe``, ``include``, ``exclude``: a plan for every weight the pattern selects;
 - ``inner``: ``"inductor"`` (default), or ``"aot_eager"``/``"eager"`` for debugging;
-- ``projections``: how Inductor builds the recipes' mask ops (:mod:`nmcompile.shared_kernels`):
+- ``projections``: how Inductor builds the recipes' mask ops (:mod:`nmcompile.kernels.shared`):
   ``"inline"`` fuses each weight's projection into the graph (every weight code-generated on its
   own, about a second of compile per sparsified weight on a CPU); ``"shared"`` calls one kernel per
   distinct weight signature, compiled once; ``"auto"`` (default) shares the projections whose
@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from .. import ops
-from ..plan import Plan
+from ..declare.plan import Plan
 
 __all__ = ["Inner", "parse_options", "NM_OPTIONS", "INNER", "PROJECTIONS"]
 
@@ -57,7 +57,7 @@ class Inner:
         on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
         if not on_cpu or self.patches:
             return None
-        from ..shared_kernels import repeated_signatures
+        from ..kernels.shared import repeated_signatures
 
         repeated = repeated_signatures(gm)
         return repeated.__contains__ if repeated else None
@@ -71,12 +71,12 @@ class Inner:
         else:
             from torch._inductor.compile_fx import compile_fx, select_decomp_table
 
-            from .inductor import with_cache_key
+            from ..kernels.inductor import with_cache_key
 
             decompositions = {**select_decomp_table(), **ops.DECOMPOSITIONS}
             share = self.shared_projections(gm, example_inputs)
             if share is not None:
-                from ..shared_kernels import decompositions as shared
+                from ..kernels.shared import decompositions as shared
 
                 decompositions.update(shared(share))
             # in the cache key: "auto" shares the set of signatures its predicate is bound to

@@ -23,11 +23,11 @@ import weakref
 import torch
 from torch import fx
 
-from ..annotate import annotation_of, attach, state_of
-from ..records import deployed_of
+from ..declare.annotate import annotation_of, attach, state_of
+from ..state.records import deployed_of
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
 from ..passes._sources import source_name
-from ..plan import Plan
+from ..declare.plan import Plan
 from .inner import Inner, parse_options
 from .reconcile import Holding, declare_plan, fresh_state_message, report, warn_if_mixed, warn_if_trained
 
@@ -160,7 +160,7 @@ class _CompiledNM:
     def _watch(self, owners, anns) -> None:
         """Have the step driver count optimizer steps for these modules' clocked weights."""
         if self.driver is None:
-            from ..optimizer_hook import driver
+            from ..training.optimizer_hook import driver
 
             self.driver = driver()
         for slot, ann in zip(self.slots, anns):
@@ -270,7 +270,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
         run_passes(work, DEPLOY_PASSES, ctx)
         warn_if_trained(ctx, strict)
         if ctx.deployed:
-            from .deploy import DeployRunner, record_decisions
+            from .deploy_runner import DeployRunner, record_decisions
 
             record_decisions(ctx)
             example = [*example_inputs, *_static([t for pair in ctx.compressed.values() for t in pair])]

@@ -17,7 +17,7 @@ from torch import fx
 
 from ..passes import PassContext
 from ..passes._sources import owning_module, parameter_fqn, parameter_placeholders, root_module
-from ..records import deployed_of
+from ..state.records import deployed_of
 
 __all__ = ["report", "fresh_state_message", "warn_if_trained", "warn_if_mixed", "declare_plan", "Holding"]
 
@@ -128,7 +128,7 @@ def declare_plan(gm: fx.GraphModule, ctx: PassContext):
     root = root_module(params[0][2])
     if root is None:
         return None
-    from ..optimizer_hook import driver as step_driver
+    from ..training.optimizer_hook import driver as step_driver
 
     live = step_driver()
     live.declare(root, routes[0][1], routes[0][0], set(ctx.skipped))

@@ -2,7 +2,7 @@
 
 A weight's N:M groups are ``m`` consecutive channels along its reduction dim. Which channels share
 a group is arbitrary as long as the layer feeding those channels is permuted the same way (see
-:mod:`nmcompile.permute_channels`), so a good permutation puts channels whose large entries sit
+:mod:`nmcompile.permute.channels`), so a good permutation puts channels whose large entries sit
 in different rows into the same group, and top-n of m then drops less. This is the channel
 permutation idea of Pool & Yu, "Channel Permutations for N:M Sparsity" (NeurIPS 2021).
 

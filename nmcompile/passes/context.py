@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from ..plan import Plan
+from ..declare.plan import Plan
 from ..recipes.base import Recipe
 
 
@@ -29,7 +29,7 @@ class DeployTarget:
     param: object  # the finalized nn.Parameter
     bias: object  # the bias nn.Parameter of its first linear call, or None (timing only)
     uses: list[fx.Node]  # the F.linear nodes it is the weight of
-    decision: object  # nmcompile.backends.dispatch.Decision
+    decision: object  # nmcompile.kernels.dispatch.Decision
     transposed: bool = False  # the weight is [in, out]: the kernels take its transpose
 
 

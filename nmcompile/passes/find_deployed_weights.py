@@ -2,8 +2,8 @@
 
 A weight qualifies for a 2:4 kernel when every use is a linear GEMM: ``F.linear(x, W[out, in], b)``,
 or GPT-2's Conv1D ``addmm(b, x, W[in, out])`` / ``x @ W[in, out]`` (rewritten on ``W.t()``); convs
-and other uses keep the dense GEMM, with the reason recorded. The rules are :func:`nmcompile.backends.dispatch.qualify`; on CUDA the
-candidates are then timed (:func:`~nmcompile.backends.dispatch.measure`) by the rewrite pass.
+and other uses keep the dense GEMM, with the reason recorded. The rules are :func:`nmcompile.kernels.dispatch.qualify`; on CUDA the
+candidates are then timed (:func:`~nmcompile.kernels.dispatch.measure`) by the rewrite pass.
 No rewriting here.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import fx, nn
 
-from ..backends.dispatch import Decision, qualify
-from ..records import deployed_of
+from ..kernels.dispatch import Decision, qualify
+from ..state.records import deployed_of
 from . import _graph, _sources
 from .context import DeployTarget, PassContext
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..records import annotation_of, deployed_of, state_dict_of
+from ..state.records import annotation_of, deployed_of, state_dict_of
 from ..recipes import parse
 from . import _graph, _sources
 from .context import NMTarget, PassContext

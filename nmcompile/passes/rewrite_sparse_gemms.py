@@ -5,7 +5,7 @@ adds two placeholders (the
 compressed values and metadata; the backend passes them on every call, compressed when the graph
 is compiled and again only if the weight changes) and replaces each ``F.linear(x, W, b)`` with
 ``nmsparse::sparse_linear(x, W, values, meta, b, kernel, alg_id, min_tokens)``. On CUDA the
-decision is first confirmed by timing (:func:`nmcompile.backends.dispatch.measure`).
+decision is first confirmed by timing (:func:`nmcompile.kernels.dispatch.measure`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..backends.dispatch import measure
-from ..backends.inductor import compress
+from ..kernels.dispatch import measure
+from ..kernels.inductor import compress
 from . import _graph
 from .context import PassContext
 

@@ -6,7 +6,7 @@ too, so pruned weights get no update from any optimizer and the effective weight
 without touching the optimizer. With ``permute=True`` (the default), :func:`nmcompile.annotate`
 first permutes input channels, together with the producing layers' output channels, to raise
 the magnitude the mask keeps without changing the model's function
-(:func:`nmcompile.permute_channels.permute_channels`; its report, in the annotation report's
+(:func:`nmcompile.permute.channels.permute_channels`; its report, in the annotation report's
 ``prepared``, lists the permuted groups, how the function was checked, and each weight left
 unpermuted with the reason).
 """
@@ -47,6 +47,6 @@ class ASP(Recipe):
     def prepare(self, model, names):
         if not self.permute:
             return None
-        from ..permute_channels import permute_channels
+        from ..permute.channels import permute_channels
 
         return permute_channels(model, names, self.n, self.m)

@@ -123,7 +123,7 @@ class Recipe:
         return self.mvue is not None or getattr(self, "fp8", False) or type(self).dgrad_weight is not Recipe.dgrad_weight
 
     # Called by nmcompile.hook_optimizer with every weight that carries this recipe
-    # (a list of nmcompile.optimizer_hook.Tracked), in place and under no_grad.
+    # (a list of nmcompile.training.optimizer_hook.Tracked), in place and under no_grad.
     def before_step(self, weights, optimizer) -> None:
         """Before each optimizer step (STEP reads the gradients and Adam's state here)."""
 

@@ -27,9 +27,9 @@ import torch
 
 from .. import masks
 from ..masks import bits
-from ..clock import new_step
+from ..state.clock import new_step
 from ..pattern import is_stacked
-from ..sharding import full
+from ..state.sharding import full
 from .base import Recipe
 from .transposable import fits_both_axes
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..clock import new_step
+from ..state.clock import new_step
 from .base import Recipe
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks
-from ..clock import new_step
+from ..state.clock import new_step
 from ..pattern import NMPattern
 from .base import Recipe
 from .mdgf import check_fractions

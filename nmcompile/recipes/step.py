@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..clock import new_step
-from ..sharding import full, is_sharded, local, shard_of, sum_over_ranks
+from ..state.clock import new_step
+from ..state.sharding import full, is_sharded, local, shard_of, sum_over_ranks
 from .base import Recipe
 from .step_kernels import change_sum, frozen_update
 
@@ -92,7 +92,7 @@ class STEP(Recipe):
         # is zero in phase 1, where the output is the weight itself
         return torch.ops.nmsparse.prune_when(weight, phase, self.n, self.m, dim, float(self.decay))
 
-    # ---- optimizer time (see nmcompile.optimizer_hook) ----
+    # ---- optimizer time (see nmcompile.training.optimizer_hook) ----
 
     def _groups(self, weights, optimizer) -> dict[int, dict]:
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):

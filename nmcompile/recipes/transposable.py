@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks
-from ..clock import new_step
-from ..sharding import full
+from ..state.clock import new_step
+from ..state.sharding import full
 from ..masks.transposable import transposable_mask
 from ..pattern import NMPattern, is_stacked
 from .base import Recipe

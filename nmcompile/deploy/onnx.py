@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..records import annotation_of, deployed_of
-from ..records import owners
-from ..compliance import CheckReport, check_one
+from ..state.records import annotation_of, deployed_of
+from ..state.records import owners
+from .compliance import CheckReport, check_one
 from ..pattern import NMPattern
 
 __all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import masks
+from .. import masks
 
 __all__ = ["Packed24", "pack", "unpack", "pack_state_dict", "unpack_state_dict"]
 

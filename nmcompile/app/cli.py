@@ -15,8 +15,8 @@ import sys
 import warnings
 
 
-from . import recipes
-from .inspection import check
+from .. import recipes
+from ..deploy.inspection import check
 
 
 #: ``nmcompile check`` exit status: every checked tensor complies / some violate N:M / the input
@@ -109,11 +109,11 @@ def main(argv=None) -> int:
     p.set_defaults(run=_demo)
     p = sub.add_parser(
         "report", help="plot a recorded run: loss, flip rate, per-layer sparsity, STEP's switch",
-        description="Reads RUN_DIR/run.json (written by nmcompile demo, or by nmcompile.save_run from your own "
+        description="Reads RUN_DIR/run.json (written by nmcompile demo, or by nmcompile.app.save_run from your own "
         "training loop) and writes loss.png, masks.png and "
         "sparsity.png next to it; prints their paths. Exit status 2 when run.json is missing or malformed.",
     )
-    p.add_argument("run_dir", help="a folder written by 'nmcompile demo --out RUN_DIR' or nmcompile.save_run")
+    p.add_argument("run_dir", help="a folder written by 'nmcompile demo --out RUN_DIR' or nmcompile.app.save_run")
     p.set_defaults(run=_report)
     args = parser.parse_args(argv)
     return args.run(args)

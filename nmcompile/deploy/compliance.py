@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import masks
-from .pattern import NMPattern
+from .. import masks
+from ..pattern import NMPattern
 
 __all__ = ["WeightCheck", "CheckReport", "check_one"]
 

@@ -3,7 +3,7 @@
 :func:`finalize` writes the weight each annotated layer's forward uses (S-STE: ``beta * S(W)``,
 MDGF at the end of its decay: the binary mask, ASP and transposable: the stored mask) into the
 parameter, removes the recipe state buffers and the annotation, and records that it is a
-deployed N:M weight (a :class:`Deployed` in the owning module's records, :mod:`nmcompile.records`).
+deployed N:M weight (a :class:`Deployed` in the owning module's records, :mod:`nmcompile.state.records`).
 The model then computes the same function with plain modules, its ``state_dict`` loads into the model without nmcompile, and the ``nmsparse``
 backend can rewrite its GEMMs to sparse kernels.
 """
@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import masks, records
-from .annotate import _skip_reason, annotation_of, detach_recipe
+from .. import masks
+from ..state import records
+from ..declare.annotate import _skip_reason, annotation_of, detach_recipe
 from .inspection import _effective
-from .pattern import NMPattern
-from .records import DEPLOYED, deployed_of, owners
-from .sharding import full
+from ..pattern import NMPattern
+from ..state.records import DEPLOYED, deployed_of, owners
+from ..state.sharding import full
 
 __all__ = ["finalize", "FinalizeReport", "Deployed", "deployed_of", "deploy_report"]
 
@@ -177,11 +178,11 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
 def deploy_report(model: nn.Module) -> dict[str, object]:
     """``{parameter name: kernel decision}`` for every finalized weight of ``model``.
 
-    A decision (:class:`nmcompile.backends.dispatch.Decision`: ``kernel``, ``reason``, ``alg_id``,
+    A decision (:class:`nmcompile.kernels.dispatch.Decision`: ``kernel``, ``reason``, ``alg_id``,
     ``min_tokens``, ``speedup``) exists once ``torch.compile(model, backend="nmsparse")`` has run;
     before that the entry is the string ``"not compiled yet"``.
     """
-    from .backends.dispatch import DECISION_ATTR
+    from ..kernels.dispatch import DECISION_ATTR
 
     out: dict[str, object] = {}
     for name, places in owners(model):

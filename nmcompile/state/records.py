@@ -1,7 +1,7 @@
 """Where declarations live: a table on each owning module, keyed by parameter name.
 
 A recipe record (:class:`WeightAnnotation`) or a deploy record
-(:class:`nmcompile.finalize.Deployed`) belongs to the module that owns the weight, under the
+(:class:`nmcompile.deploy.finalize.Deployed`) belongs to the module that owns the weight, under the
 parameter's attribute name, never to the ``nn.Parameter`` object. Whatever replaces parameter
 objects keeps the declaration by construction: FSDP2's ``fully_shard`` (before or after
 ``annotate``), ``to_empty`` after meta-device construction, ``load_state_dict(assign=True)``,
@@ -14,15 +14,18 @@ copies them with the module. A recipe's state tensors are buffers of the same mo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .clock import StepMirror
-from .recipes.base import Recipe
 from .sharding import full
 from .trace import Trace
+
+if TYPE_CHECKING:  # the records sit below the recipes: the type alone, for readers and checkers
+    from ..recipes.base import Recipe
 
 __all__ = ["RECIPES", "DEPLOYED", "table", "get", "put", "drop", "owners", "root", "WeightAnnotation",
            "annotation_of", "deployed_of", "state_of", "state_dict_of"]
@@ -87,7 +90,7 @@ class WeightAnnotation:
     trace: Trace = field(default_factory=Trace, compare=False, repr=False)  # diagnostics
     pending: bool = field(default=False, compare=False)  # state not computed yet (meta weight)
     consumed: bool = field(default=False, compare=False)  # an nmsparse graph has run with it
-    # the step driver, held while the record lives (see nmcompile.optimizer_hook)
+    # the step driver, held while the record lives (see nmcompile.training.optimizer_hook)
     driver: object = field(default=None, compare=False, repr=False)
 
     __hash__ = None  # mutable (pending); compare by (recipe, dim)
@@ -101,7 +104,7 @@ def annotation_of(module: nn.Module, param_name: str) -> WeightAnnotation | None
 
 
 def deployed_of(module: nn.Module, param_name: str):
-    """The weight's :class:`nmcompile.finalize.Deployed` record, or None."""
+    """The weight's :class:`nmcompile.deploy.finalize.Deployed` record, or None."""
     return get(module, DEPLOYED, param_name)
 
 

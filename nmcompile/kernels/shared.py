@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 from torch import Tensor, fx
 
-from . import ops
+from .. import ops
 
 __all__ = ["SHARED", "MIN_REPEATS", "decompositions", "repeated_signatures", "kernel"]
 

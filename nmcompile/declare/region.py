@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx.traceback as fx_traceback
 
-from . import recipes
-from .recipes.base import Recipe
+from .. import recipes
+from ..recipes.base import Recipe
 
 __all__ = ["region"]
 

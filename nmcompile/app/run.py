@@ -17,10 +17,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .annotate import annotate
-from .optimizer_hook import hook_optimizer
+from ..declare.annotate import annotate
+from ..training.optimizer_hook import hook_optimizer
 from .progress import Progress
-from .recipes import parse
+from ..recipes import parse
 from .report import model_record
 
 __all__ = ["train_run", "with_total_steps"]
@@ -29,7 +29,7 @@ __all__ = ["train_run", "with_total_steps"]
 def with_total_steps(spec: str, steps: int) -> str:
     """``spec`` with ``total_steps=steps`` added when its recipe has that key and the spec omits it."""
     recipe = spec.split(",")[0].split(":")[0]
-    from .recipes import RECIPES
+    from ..recipes import RECIPES
 
     cls = RECIPES.get(recipe)
     fields = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()

@@ -1,7 +1,7 @@
 """Recording recipes on a model's weights, in place: no module swap, module classes unchanged.
 
 A weight's recipe is recorded with its owning module, under the parameter's name (a
-:class:`WeightAnnotation` in the module's records table, :mod:`nmcompile.records`), never on the
+:class:`WeightAnnotation` in the module's records table, :mod:`nmcompile.state.records`), never on the
 ``nn.Parameter`` object, so anything that replaces parameter objects keeps it. The recipe's state
 lives in buffers of the same module named ``<param>_nm_<key>`` (e.g. ``fc1.weight_nm_beta``), so
 ``state_dict()`` saves and restores it.
@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import records
-from .optimizer_hook import driver
-from .pattern import NMPattern, reduction_dim
+from ..state import records
+from ..training.optimizer_hook import driver
+from ..pattern import NMPattern, reduction_dim
 from .plan import Plan
-from .recipes.base import Recipe
-from .records import RECIPES, WeightAnnotation, annotation_of, owners, settle, state_dict_of, state_of
-from .sharding import full, is_sharded
+from ..recipes.base import Recipe
+from ..state.records import RECIPES, WeightAnnotation, annotation_of, owners, settle, state_dict_of, state_of
+from ..state.sharding import full, is_sharded
 
 __all__ = ["annotate", "AnnotationReport", "attach", "detach_recipe", "WeightAnnotation", "annotation_of", "state_of",
            "state_dict_of"]
@@ -104,7 +104,7 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
     - State in the checkpoint settles a pending annotation (it is not computed again).
     ``state_dict`` is ``load_state_dict``'s own copy, so filling it in leaves the caller's dict as it was.
     """
-    from . import masks
+    from .. import masks
 
     for pname, ann in list(records.table(module, RECIPES).items()):
         if pname not in module._parameters:

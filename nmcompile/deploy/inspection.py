@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from .compliance import CheckReport, WeightCheck, check_one
-from .pattern import NMPattern
-from .records import WeightAnnotation, annotation_of, deployed_of, owners, state_of
-from .sharding import full
+from ..pattern import NMPattern
+from ..state.records import WeightAnnotation, annotation_of, deployed_of, owners, state_of
+from ..state.sharding import full
 from .state_dicts import find_state_dict, load_state_dict
 
 __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
@@ -50,7 +50,7 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
     Args:
         obj: an annotated or finalized ``nn.Module``, a ``{name: tensor}`` state dict (packed 2:4
             entries are unpacked) or a checkpoint dict that holds one (``{"model": sd, "epoch": 3}``,
-            see :func:`nmcompile.state_dicts.find_state_dict`), or the path of an ``.onnx`` file or a
+            see :func:`nmcompile.deploy.state_dicts.find_state_dict`), or the path of an ``.onnx`` file or a
             ``torch.save``'d state dict or checkpoint.
         pattern: ``NMPattern`` or ``"2:4"``. Default: each weight's recipe pattern for a model,
             2:4 for a state dict.
@@ -74,7 +74,7 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
         return report
     if isinstance(obj, (str, os.PathLike)):
         if os.fspath(obj).endswith(".onnx"):
-            from .backends.onnx import check_onnx
+            from .onnx import check_onnx
 
             return check_onnx(obj, pattern, dim=dim)
         state, where = load_state_dict(obj)
@@ -82,7 +82,7 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
         report.where = where
         return report
     if isinstance(obj, Mapping):
-        from .packed import unpack_state_dict
+        from ..kernels.packed import unpack_state_dict
 
         state, report.where = find_state_dict(obj, "the checkpoint dict")
         for name, tensor in unpack_state_dict(state).items():

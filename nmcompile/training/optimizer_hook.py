@@ -33,9 +33,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 
-from . import records
-from .records import WeightAnnotation, state_dict_of
-from .clock import StepMirror
+from ..state import records
+from ..state.records import WeightAnnotation, state_dict_of
+from ..state.clock import StepMirror
 
 __all__ = ["hook_optimizer", "OptimizerHook", "StepDriver", "Tracked", "driver"]
 
@@ -57,7 +57,7 @@ class Tracked:
         return self.module._parameters[self.param_name]
 
     def mirror(self, key: str) -> StepMirror:
-        """A Python copy of the 0-d state tensor ``key`` (see :class:`nmcompile.clock.StepMirror`)."""
+        """A Python copy of the 0-d state tensor ``key`` (see :class:`nmcompile.state.clock.StepMirror`)."""
         return self.scratch.setdefault(("mirror", key), StepMirror())
 
 
@@ -319,7 +319,7 @@ def hook_optimizer(
     """Record mask diagnostics, or check weights for NaN/inf, on ``optimizer``'s steps.
 
     Schedules need no call: the ``nmsparse`` backend counts optimizer steps by itself (see
-    :mod:`nmcompile.optimizer_hook`). This also makes a model that is not compiled (eager use of an
+    :mod:`nmcompile.training.optimizer_hook`). This also makes a model that is not compiled (eager use of an
     annotated model) count steps. Calling it again for the same optimizer replaces the settings;
     every step is still counted once.
 

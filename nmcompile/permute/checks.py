@@ -1,6 +1,6 @@
 """Reasons not to permute channels that a ``torch.fx`` graph of the model does not show.
 
-:func:`nmcompile.permute_channels.permute_channels` reads the model's structure from
+:func:`nmcompile.permute.channels.permute_channels` reads the model's structure from
 ``torch.fx.symbolic_trace``, which records module calls but not the hooks they run, and records
 a parameter read outside its module's call as a ``get_attr`` node that nothing else looks at.
 These functions name what would see the permuted channels in such places: module hooks (global,

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from . import recipes
-from .recipes.base import Recipe, nearest
+from .. import recipes
+from ..recipes.base import Recipe, nearest
 
 __all__ = ["Rule", "Plan", "ENV_VAR"]
 

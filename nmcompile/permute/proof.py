@@ -1,6 +1,6 @@
 """Numerical check that a channel permutation left a model's function unchanged.
 
-The structural analysis of :mod:`nmcompile.permute_channels` decides what may move; this module
+The structural analysis of :mod:`nmcompile.permute.channels` decides what may move; this module
 checks the result on fixed inputs. With the model's inputs (given, or derived from the first
 layer each input of the traced forward enters), :class:`ModelProbe` runs the whole model;
 otherwise :func:`run_group` runs one group's producer, the ops between and its consumers on an

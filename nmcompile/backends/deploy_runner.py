@@ -15,8 +15,8 @@ import weakref
 import torch
 from torch import fx
 
-from .dispatch import DECISION_ATTR
-from .inductor import compress
+from ..kernels.dispatch import DECISION_ATTR
+from ..kernels.inductor import compress
 
 log = logging.getLogger("nmcompile")
 

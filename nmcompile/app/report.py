@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from .diagnostics import diagnostics, plot_diagnostics
-from .inspection import _effective
+from ..training.diagnostics import diagnostics, plot_diagnostics
+from ..deploy.inspection import _effective
 
 __all__ = ["write_report", "load_run", "save_run", "model_record"]
 
@@ -76,7 +76,7 @@ def load_run(run_dir) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"{path} does not exist; RUN_DIR must be a folder written by 'nmcompile demo --out RUN_DIR' "
-            "or by nmcompile.report.save_run(RUN_DIR, model, loss=...) from your own training loop"
+            "or by nmcompile.app.report.save_run(RUN_DIR, model, loss=...) from your own training loop"
         )
     with open(path) as handle:
         try:
@@ -91,7 +91,7 @@ _SERIES = ("flip_rate", "sad", "z")
 
 def _checked_run(run, path: str) -> dict:
     """``run`` with its series as (step, value) pairs, or ValueError naming what does not fit."""
-    fix = "run.json is written by 'nmcompile demo' or nmcompile.report.save_run; rewrite it with save_run"
+    fix = "run.json is written by 'nmcompile demo' or nmcompile.app.report.save_run; rewrite it with save_run"
     if not isinstance(run, dict):
         raise ValueError(f"{path}: not a run record: expected a JSON object, got {type(run).__name__}; {fix}")
     if "loss" not in run:

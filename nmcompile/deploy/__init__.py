@@ -1,0 +1,24 @@
+"""Deploying a trained model: bake the N:M weights (:func:`finalize`), verify them (:func:`check`),
+store them packed (:func:`pack_state_dict`), export them (:func:`export_onnx`, :mod:`.tensorrt`).
+
+The compiled deploy graph itself is built by the ``nmsparse`` backend (``nmcompile.backends``) with
+the kernels of :mod:`nmcompile.kernels`. ONNX and TensorRT load only when an export is asked for.
+"""
+
+from ..kernels.packed import Packed24, pack, pack_state_dict, unpack, unpack_state_dict
+from .finalize import FinalizeReport, deploy_report, finalize
+from .inspection import CheckReport, check, effective_weights
+
+__all__ = ["finalize", "FinalizeReport", "deploy_report", "check", "CheckReport", "effective_weights",
+           "pack", "unpack", "pack_state_dict", "unpack_state_dict", "Packed24", "export_onnx"]
+
+
+def export_onnx(model, args, path, **kwargs):
+    """ONNX export of a finalized model, verified N:M and checked against onnxruntime.
+
+    See :func:`nmcompile.deploy.onnx.export_onnx` (imported on first use: ``onnx``,
+    ``onnxscript`` and ``onnxruntime`` load only here).
+    """
+    from .onnx import export_onnx as _export
+
+    return _export(model, args, path, **kwargs)

@@ -1,0 +1,11 @@
+"""The sparse GEMMs and the choice between them.
+
+- :mod:`.packed`: the 2:4 packed format (values + metadata), on any device;
+- :mod:`.inductor`: the ``nmsparse::sparse_linear`` op (cuSPARSELt, or the packed reference), weight
+  compression, and the Inductor cache key;
+- :mod:`.dispatch`: which kernel a layer may use (:func:`~.dispatch.qualify`) and whether it is
+  faster than dense (:func:`~.dispatch.measure`);
+- :mod:`.shared`: one compiled kernel shared by layers whose mask ops have the same signature.
+
+Imported lazily where it needs Inductor; importing this folder's face loads nothing.
+"""

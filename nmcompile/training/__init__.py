@@ -1,0 +1,11 @@
+"""Training time: the optimizer-step driver that runs recipe schedules, and mask diagnostics.
+
+:mod:`.optimizer_hook` holds PyTorch's global optimizer step hooks while a declared model lives
+(schedules need no call); :func:`hook_optimizer` adds diagnostics and ``check_finite``.
+:mod:`.diagnostics` reads what was recorded (:func:`diagnostics`) and plots it (:func:`plot_diagnostics`).
+"""
+
+from .diagnostics import diagnostics, plot_diagnostics
+from .optimizer_hook import hook_optimizer
+
+__all__ = ["hook_optimizer", "diagnostics", "plot_diagnostics"]
