@@ -4,7 +4,6 @@ user's code, and a declaration that leaves a weight dense says so."""
 from __future__ import annotations
 
 import copy
-import io
 import pickle
 import warnings
 

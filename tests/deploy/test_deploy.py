@@ -186,7 +186,7 @@ def test_dynamic_token_counts_and_a_graph_that_also_trains():
 @pytest.mark.slow
 def test_gpt2_conv1d_addmm_weights_are_rewritten_through_their_transpose():
     transformers = pytest.importorskip("transformers")
-    from test_models import _gpt2
+    from models import _gpt2
 
     model = _gpt2(transformers)
     nmcompile.annotate(model, "ste:2:4")

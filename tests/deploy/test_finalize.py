@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import nmcompile
 import reference
-from test_models import AOT, CNN, MLP, _fresh_counters, nm_violations, train  # noqa: F401
-from test_recipe_models import RECIPES as SCHEDULED
+from models import AOT, CNN, MLP, _fresh_counters, nm_violations, train  # noqa: F401
+from models import SCHEDULED
 
 RECIPES = {"ste": "ste:2:4", "sr_ste": "sr_ste:2:4", "s_ste": "s_ste:2:4", **SCHEDULED}
 

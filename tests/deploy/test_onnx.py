@@ -9,7 +9,7 @@ from torch import nn
 import nmcompile
 from nmcompile.deploy.onnx import METADATA_KEY
 from nmcompile.app.cli import main as cli
-from test_models import CNN, encoder_layer
+from models import CNN, encoder_layer
 
 onnx = pytest.importorskip("onnx", reason="pip install 'nmcompile[onnx]'")
 pytest.importorskip("onnxruntime", reason="pip install 'nmcompile[onnx]'")

@@ -1,6 +1,6 @@
 """Every recipe trains through the backend on an MLP, a small CNN and a transformer layer.
 
-Uses the checks of test_models: N:M effective weights after training, one compilation (one per
+Uses the checks of tests/models.py: N:M effective weights after training, one compilation (one per
 schedule frame for SDGF), no graph break, compiled output equal to an eager forward with the
 effective weights.
 """
@@ -10,22 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import nmcompile
-from test_models import (  # noqa: F401  (_fresh_counters: the autouse fixture that zeroes counters)
-    AOT, ATTN_WEIGHTS, CNN, CNN_WEIGHTS, FFN_WEIGHTS, MLP, MLP_WEIGHTS, STEPS,
+from models import (  # noqa: F401  (_fresh_counters: the autouse fixture that zeroes counters)
+    SCHEDULED,
+    AOT, ATTN_WEIGHTS, CNN, CNN_WEIGHTS, FFN_WEIGHTS, MLP, MLP_WEIGHTS,
     _fresh_counters, _train_encoder, check_trained, encoder_layer, train,
 )
 
-# schedules sized to the STEPS (20) optimizer steps of `train`, so that every run ends N:M
-RECIPES = {
-    "step": f"step:2:4,total_steps={STEPS},t_max=0.25,beta2=0.999",
-    "mdgf": f"mdgf:2:4,decay_coef=0.05,finetune_fraction=0.5,total_steps={STEPS}",
-    "sdgf": f"sdgf:2:4,total_steps={STEPS}",
-    "bi_mask": "bi_mask:2:4,every=5,candidates=8",
-    "transposable": "transposable:2:4,every=5",
-    "asp": "asp:2:4",
-    "ste_mvue24": "ste:2:4,wgrad=mvue24",
-    "s_ste_fp8_mvue24": "s_ste:2:4,wgrad=mvue24,fp8=true",
-}
+RECIPES = SCHEDULED
 # GEMM-level recipes cannot enter F.multi_head_attention_forward; tile recipes need out % 4 == 0
 GEMM_LEVEL = {"bi_mask", "ste_mvue24", "s_ste_fp8_mvue24"}
 TILED = {"bi_mask", "transposable"}
