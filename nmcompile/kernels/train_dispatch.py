@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import MARGIN, Decision, kernel_unavailable, time_cuda
-from .training import ALIGNMENT, KERNELS, misaligned
+from .training import ALIGNMENT, misaligned
 
 __all__ = ["TRAIN_KERNELS", "ROLES", "TrainKernels", "TrainKernelError", "decide", "measure", "all_dense"]
 
-TRAIN_KERNELS = ("auto", "dense", *KERNELS)
+TRAIN_KERNELS = ("auto", "dense", "cusparselt", "cutlass", "reference")
 ROLES = ("forward", "dgrad", "wgrad")
 
 

@@ -179,10 +179,9 @@ def rewrite_sparse_training_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
     rewritten = 0
     for target in ctx.targets:
         weight = ctx.projected[target.fqn][0]
-        if target.node.meta["example_value"].dim() != 2:
-            ctx.train_kernels[target.fqn] = all_dense("a stacked (expert) weight: its per-expert GEMMs stay dense")
-            continue
         gemms, why = _uses(weight)
+        if why is None and target.node.meta["example_value"].dim() != 2:
+            why = "a stacked (expert) weight: its per-expert GEMMs stay dense"
         if why is not None or not gemms:
             ctx.train_kernels[target.fqn] = all_dense(why or "no linear GEMM uses it in this graph")
             continue
