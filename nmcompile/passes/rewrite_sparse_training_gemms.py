@@ -92,7 +92,8 @@ def _not_24(recipe, frame, needs_dgrad: bool) -> dict[str, str | None]:
     return reasons
 
 
-def _decide(ctx: PassContext, target, gemms) -> TrainKernels:
+def _decide(ctx: PassContext, target, gemms, timed: dict) -> TrainKernels:
+    """The weight's kernels; ``timed`` keeps the timings of this graph by shape (repeated layers are timed once)."""
     value = target.node.meta["example_value"]
     out_f, in_f = value.shape if target.dim == 1 else tuple(reversed(value.shape))  # [in, out] when transposed
     tokens = {_tokens(o["x"]) for _, o in gemms}
@@ -109,10 +110,13 @@ def _decide(ctx: PassContext, target, gemms) -> TrainKernels:
             ctx.train_kernel, role, layer=target.fqn, not_24=not_24[role], rows=rows, cols=cols, n=n,
             dtype=dtype, device_type=value.device.type,
         )
-        if ctx.train_kernel == "auto":
+        if ctx.train_kernel == "auto" and decision.kernel in ("cusparselt", "cutlass"):
             permuted = role == "dgrad" and target.recipe.dgrad_order(*ctx.state_nodes[target.fqn]) is not None
-            decision = measure(decision, role, rows=rows, cols=cols, n=n, dtype=dtype, device=value.device,
-                               permuted=permuted)
+            key = (decision, role, rows, cols, n, dtype, str(value.device), permuted)
+            if key not in timed:
+                timed[key] = measure(decision, role, rows=rows, cols=cols, n=n, dtype=dtype, device=value.device,
+                                     permuted=permuted)
+            decision = timed[key]
         decisions[role] = decision
     return TrainKernels(**decisions)
 
@@ -177,6 +181,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, target, gemms, kernels: Train
 
 def rewrite_sparse_training_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
     rewritten = 0
+    timed: dict = {}
     for target in ctx.targets:
         weight = ctx.projected[target.fqn][0]
         gemms, why = _uses(weight)
@@ -185,7 +190,7 @@ def rewrite_sparse_training_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
         if why is not None or not gemms:
             ctx.train_kernels[target.fqn] = all_dense(why or "no linear GEMM uses it in this graph")
             continue
-        kernels = ctx.train_kernels[target.fqn] = _decide(ctx, target, gemms)
+        kernels = ctx.train_kernels[target.fqn] = _decide(ctx, target, gemms, timed)
         log.info("nmsparse training GEMMs: %s -> %s", target.fqn, kernels)
         if kernels.sparse:
             rewritten += _rewrite(gm, ctx, target, gemms, kernels)
