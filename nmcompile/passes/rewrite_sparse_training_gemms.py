@@ -27,6 +27,7 @@ from torch.fx.proxy import GraphAppendingTracer
 
 from ..kernels import training  # noqa: F401  (registers nmsparse::sparse_train_linear)
 from ..kernels.train_dispatch import ROLES, TrainKernels, all_dense, decide, measure
+from ..pattern import is_stacked
 from . import _graph
 from .context import PassContext
 
@@ -184,9 +185,12 @@ def rewrite_sparse_training_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
     timed: dict = {}
     for target in ctx.targets:
         weight = ctx.projected[target.fqn][0]
-        gemms, why = _uses(weight)
-        if why is None and target.node.meta["example_value"].dim() != 2:
-            why = "a stacked (expert) weight: its per-expert GEMMs stay dense"
+        if is_stacked(target.node.meta["example_value"].dim(), target.dim):
+            gemms, why = [], "a stacked (expert) weight: its per-expert GEMMs stay dense"
+        else:
+            gemms, why = _uses(weight)
+            if why is None and target.node.meta["example_value"].dim() != 2:
+                why = "not a 2-D weight; the training kernels take linear weights"
         if why is not None or not gemms:
             ctx.train_kernels[target.fqn] = all_dense(why or "no linear GEMM uses it in this graph")
             continue
