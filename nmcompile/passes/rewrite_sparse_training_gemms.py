@@ -175,7 +175,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, target, gemms, kernels: Train
                 bool(getattr(recipe, "fp8", False)), *kinds, target.fqn)
         _graph.replace_call(user, _OP, args)
     for node in (*[u for u in weight.users if u.target is torch.t], weight):  # S-STE's beta * S(W), if unused now
-        if not node.users:
+        if not node.users and node.op == "call_function":
             graph.erase_node(node)
     return len(gemms)
 
