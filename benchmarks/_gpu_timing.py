@@ -8,6 +8,7 @@ bottleneck and includes launch overhead when the host is (decode-sized shapes): 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable
 
@@ -32,15 +33,18 @@ def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:160]}"
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], *, reps: int, warmup: int) -> dict[str, float | str]:
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], *, reps: int, warmup: int, inference: bool = True
+) -> dict[str, float | str]:
     """Median milliseconds per call of every function in ``fns``, or the error string of one that failed.
 
-    Runs under ``torch.inference_mode()``. A function that raises during warm-up is dropped from the
-    timed rounds and reported by its error; the others still run.
+    Runs under ``torch.inference_mode()`` unless ``inference=False`` (training steps, which call
+    backward). A function that raises during warm-up is dropped from the timed rounds and reported
+    by its error; the others still run.
     """
     results: dict[str, float | str] = {}
     live: dict[str, Callable[[], object]] = {}
-    with torch.inference_mode():
+    with torch.inference_mode() if inference else contextlib.nullcontext():
         for name, fn in fns.items():
             try:
                 for _ in range(warmup):

@@ -40,7 +40,10 @@ from torch import Tensor
 
 from . import masks
 
-__all__ = ["prune", "prune_decay", "prune_when", "soft_threshold", "backward_mask_weight", "linear", "conv", "fake_fp8", "DECOMPOSITIONS"]
+__all__ = [
+    "prune", "prune_decay", "prune_when", "soft_threshold", "backward_mask_weight", "linear", "conv", "fake_fp8",
+    "mvue_along", "autocast_kernel", "DECOMPOSITIONS",
+]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -124,7 +127,7 @@ def fake_fp8(t: Tensor, dtype: torch.dtype) -> Tensor:
     return ((t.float() * scale).to(dtype).float() / scale).to(t.dtype)
 
 
-def _mvue_along(t: Tensor, n: int, m: int, dim: int) -> Tensor:
+def mvue_along(t: Tensor, n: int, m: int, dim: int) -> Tensor:
     """MVUE ``n:m`` of ``t`` along ``dim``, zero-padding that dimension to a multiple of ``m``."""
     from .masks.mvue import mvue
 
@@ -204,7 +207,7 @@ def _linear_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         gd, wd = (fake_fp8(g, E5M2), fake_fp8(w_dgrad, E5M2)) if fp8 else (g, w_dgrad)
         dx = (gd @ wd).reshape(x.shape)
-    gw = _mvue_along(g, mvue_n, mvue_m, 0) if mvue_n else g
+    gw = mvue_along(g, mvue_n, mvue_m, 0) if mvue_n else g
     if fp8:
         gw, x2 = fake_fp8(gw, E5M2), fake_fp8(x2, E5M2)
     dw = gw.t() @ x2
@@ -222,7 +225,7 @@ def _conv_backward(ctx, grad):
     gw = grad
     if mvue_n:  # group along the WGRAD reduction: batch and spatial positions, per output channel
         per_channel = grad.transpose(0, 1)
-        flat = _mvue_along(per_channel.reshape(per_channel.shape[0], -1), mvue_n, mvue_m, 1)
+        flat = mvue_along(per_channel.reshape(per_channel.shape[0], -1), mvue_n, mvue_m, 1)
         gw = flat.reshape(per_channel.shape).transpose(0, 1)
     dw = torch.ops.aten.convolution_backward(gw, x, w, None, *conv_args, [False, True, False])[1]
     db = grad.sum([d for d in range(grad.dim()) if d != 1]) if ctx.has_bias else None
@@ -233,7 +236,7 @@ linear.register_autograd(_linear_backward, setup_context=_gemm_setup)
 conv.register_autograd(_conv_backward, setup_context=_gemm_setup)
 
 
-def _autocast_kernel(op, device_type: str):
+def autocast_kernel(op, device_type: str):
     """The ``Autocast<device>`` kernel of a GEMM op: cast as ``F.linear``/``conv`` are under autocast.
 
     aten's GEMMs run in the autocast dtype; without this kernel the dispatcher falls through
@@ -264,7 +267,7 @@ _LIB = torch.library.Library("nmsparse", "FRAGMENT")  # the GEMM ops' autocast k
 for _op in (linear, conv):
     for _device in ("cpu", "cuda"):
         _key = "Autocast" + torch._C._dispatch_key_for_device(_device)
-        _LIB.impl(_op._name, _autocast_kernel(_op, _device), _key, with_keyset=True)
+        _LIB.impl(_op._name, autocast_kernel(_op, _device), _key, with_keyset=True)
 
 #: Forward bodies given to Inductor so it traces (and fuses) the mask math.
 DECOMPOSITIONS = {

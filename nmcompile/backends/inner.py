@@ -11,6 +11,10 @@ Options (``torch.compile(model, backend="nmsparse", options={...})``):
   signature at least three weights of the graph have (``shared_kernels.MIN_REPEATS``), on a CPU and
   without Inductor settings, and inlines the rest (the shared kernels are compiled with Inductor's
   default settings, and their per-call cost on a GPU has not been measured);
+- ``train_kernel``: which kernels the training GEMMs whose operands a 2:4 recipe makes 2:4 use
+  (:mod:`nmcompile.kernels.train_dispatch`): ``"auto"`` (default: cuSPARSELt where it can run and
+  was timed faster, else dense), ``"dense"``, ``"cusparselt"``, ``"cutlass"`` (an error where they
+  cannot run), ``"reference"`` (the packed layout and a dense product, any device);
 - ``deploy_kernel``, ``strict`` (read by the backend itself; ``strict=True`` turns the summary of
   declared weights left dense into an error);
 - any ``torch._inductor.config`` setting, passed to Inductor as scoped ``config_patches``.
@@ -26,10 +30,11 @@ from torch import fx
 
 from .. import ops
 from ..declare.plan import Plan
+from ..recipes.base import nearest
 
 __all__ = ["Inner", "parse_options", "NM_OPTIONS", "INNER", "PROJECTIONS"]
 
-NM_OPTIONS = ("recipe", "include", "exclude", "inner", "projections", "deploy_kernel", "strict")
+NM_OPTIONS = ("recipe", "include", "exclude", "inner", "projections", "train_kernel", "deploy_kernel", "strict")
 INNER = ("inductor", "aot_eager", "eager")
 PROJECTIONS = ("auto", "inline", "shared")
 
@@ -92,9 +97,17 @@ class Inner:
         return without_extra_outputs
 
 
-def parse_options(options, mode) -> tuple[Plan | None, Inner]:
-    """``(plan or None, inner compiler)`` from the backend options (without ``deploy_kernel``)."""
+def parse_options(options, mode) -> tuple[Plan | None, Inner, str]:
+    """``(plan or None, inner compiler, train_kernel)`` from the backend options (without ``deploy_kernel``)."""
+    from ..kernels.train_dispatch import TRAIN_KERNELS
+
     options = dict(options or {})
+    train_kernel = options.pop("train_kernel", "auto")
+    if train_kernel not in TRAIN_KERNELS:
+        raise ValueError(
+            f"nmsparse option train_kernel={train_kernel!r} is not one of {', '.join(TRAIN_KERNELS)}"
+            f"{nearest(str(train_kernel), TRAIN_KERNELS)}"
+        )
     recipe = options.pop("recipe", None)
     include, exclude = options.pop("include", None), options.pop("exclude", None)
     name = options.pop("inner", "inductor")
@@ -121,4 +134,4 @@ def parse_options(options, mode) -> tuple[Plan | None, Inner]:
         patches[key] = value
     if patches and name != "inductor":
         raise ValueError(f"Inductor settings {sorted(patches)} need inner='inductor', not {name!r}")
-    return plan, Inner(name, patches, projections)
+    return plan, Inner(name, patches, projections), train_kernel

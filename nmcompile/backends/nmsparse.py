@@ -107,8 +107,12 @@ class _CompiledNM:
     compiled from the same graph and cached.
     """
 
-    def __init__(self, base: fx.GraphModule, targets, slots, n_inputs: int, inner: Inner):
+    def __init__(self, base: fx.GraphModule, targets, slots, n_inputs: int, inner: Inner, train_kernel: str):
         self.base, self.targets, self.slots = base, targets, slots
+        self.train_kernel = train_kernel
+        # per variant, each target's training-GEMM kernels (kept in the weights' records, see __call__)
+        self.kernels: dict[tuple, tuple] = {}
+        self.current_kernels: tuple = ()
         self.driver = None  # the step driver, held while the graph has a recipe with a schedule
         self.watched: weakref.WeakSet = weakref.WeakSet()
         self.n_inputs, self.inner = n_inputs, inner
@@ -131,6 +135,7 @@ class _CompiledNM:
         if compiled is None:
             compiled = self.variants[key] = self._compile_variant(anns, frames, example_inputs)
         self.last, self.compiled = (anns, frames), compiled
+        self.current_kernels = self.kernels.get(key, ())
         return compiled
 
     def _compile_variant(self, anns, frames, example_inputs):
@@ -153,7 +158,8 @@ class _CompiledNM:
                 )
             node = nodes[target.node.name]
             targets.append(dataclasses.replace(target, node=node, recipe=ann.recipe, frame=frame))
-        ctx = run_passes(work, REWRITE_PASSES, PassContext(targets=targets))
+        ctx = run_passes(work, REWRITE_PASSES, PassContext(targets=targets, train_kernel=self.train_kernel))
+        self.kernels[self.key(anns, frames)] = tuple(ctx.train_kernels.get(t.fqn) for t in targets)
         key = repr(self.key(anns, frames))
         return self.inner.compile(work, list(example_inputs), key, ctx.extra_outputs)
 
@@ -214,6 +220,9 @@ class _CompiledNM:
             compiled = self.compiled
         else:
             compiled = self.compile(anns, frames, inputs)
+        for ann, kernels in zip(anns, self.current_kernels):  # train_report reads them from the records
+            if ann.kernels is not kernels:
+                ann.kernels = kernels
         return compiled(*inputs)
 
 
@@ -257,8 +266,10 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
         raise ValueError(f"nmsparse option strict={strict!r} must be True or False")
     if deploy_kernel not in DEPLOY_KERNELS:
         raise ValueError(f"nmsparse option deploy_kernel={deploy_kernel!r} is not one of {', '.join(DEPLOY_KERNELS)}")
-    plan, inner = parse_options(options, mode)
-    ctx = PassContext(options_plan=plan, env_plan=Plan.from_env(), deploy_kernel=deploy_kernel)
+    plan, inner, train_kernel = parse_options(options, mode)
+    ctx = PassContext(
+        options_plan=plan, env_plan=Plan.from_env(), deploy_kernel=deploy_kernel, train_kernel=train_kernel
+    )
     work = _copy(gm)
     base = _copy(gm)
     run_passes(work, TRAIN_PASSES, ctx)
@@ -286,7 +297,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
             owner_index[key] = len(owners)
             owners.append(target.owner)
         slots.append(_Slot(owner_index[key], target))
-    runner = _CompiledNM(base, ctx.targets, slots, len(example_inputs), inner)
+    runner = _CompiledNM(base, ctx.targets, slots, len(example_inputs), inner, train_kernel)
     runner.driver = driver or runner.driver
     # the declared recipes are the first variant; example state comes from these weights
     state = []
@@ -295,6 +306,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
         state.extend(values[key] for key in t.recipe.state_names)
     state = _static(state)
     key = (tuple((t.recipe, t.dim) for t in ctx.targets), tuple(t.frame for t in ctx.targets))
+    runner.kernels[key] = tuple(ctx.train_kernels.get(t.fqn) for t in ctx.targets)
     runner.variants[key] = inner.compile(work, [*example_inputs, *state], repr(key), ctx.extra_outputs)
     _add_owner_inputs(gm, owners)
     return runner

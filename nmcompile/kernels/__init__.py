@@ -5,6 +5,10 @@
   compression, and the Inductor cache key;
 - :mod:`.dispatch`: which kernel a layer may use (:func:`~.dispatch.qualify`) and whether it is
   faster than dense (:func:`~.dispatch.measure`);
+- :mod:`.training`: the 2:4 GEMMs inside training (``nmsparse::sparse24_mm``, compressing its operand
+  at each call, and ``nmsparse::sparse_train_linear``, a linear whose forward, DGRAD and WGRAD each
+  take a kernel);
+- :mod:`.train_dispatch`: which kernel each training GEMM gets, timed against dense on CUDA;
 - :mod:`.shared`: one compiled kernel shared by layers whose mask ops have the same signature.
 
 Imported lazily where it needs Inductor; importing this folder's face loads nothing.

@@ -6,6 +6,9 @@ layer's real shapes and keeps the sparse kernel only where it measured faster, a
 smallest token count from which it is (``min_tokens``; smaller calls, such as decoding one token,
 take the dense GEMM at run time). The decision is recorded on the parameter
 (:func:`nmcompile.deploy_report` reads it).
+
+The rules that need neither weights nor timing (:func:`kernel_unavailable`) and the CUDA timer
+(:func:`time_cuda`) are shared with the training decisions of :mod:`.train_dispatch`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from .. import masks
 
-__all__ = ["Decision", "qualify", "measure", "DECISION_ATTR"]
+__all__ = ["Decision", "qualify", "measure", "kernel_unavailable", "time_cuda", "DECISION_ATTR", "MARGIN"]
 
 DECISION_ATTR = "_nmcompile_kernel"
 #: token counts tried when the graph's token count is dynamic
@@ -63,17 +66,43 @@ def qualify(
         return Decision("dense", f"shape [{out_f}, {in_f}] is not a multiple of 16 in both dims (2:4 kernel minimum)")
     if requested == "reference":
         return Decision("reference", "deploy_kernel='reference': packed 2:4 weight, dense GEMM (checks the rewrite)")
-    if device_type != "cuda":
-        why = f"no 2:4 kernel on {device_type} (cuSPARSELt is CUDA only)"
-        return _refuse(requested, why)
-    if cusparselt_available is None:
-        cusparselt_available = torch.backends.cusparselt.is_available()
-    if not cusparselt_available:
-        return _refuse(requested, "this torch build has no cuSPARSELt")
-    if weight.dtype not in CUSPARSELT_DTYPES:
-        why = f"{weight.dtype} has no cuSPARSELt kernel here; cast the model to fp16 or bf16 (model.half())"
+    why = kernel_unavailable("cusparselt", device_type, weight.dtype, cusparselt_available=cusparselt_available)
+    if why is not None:
         return _refuse(requested, why)
     return Decision("cusparselt", "2:4 weight, fp16/bf16, shape qualifies")
+
+
+def kernel_unavailable(
+    kernel: str, device_type: str, dtype: torch.dtype, *, cusparselt_available: bool | None = None,
+    capability: tuple[int, int] | None = None,
+) -> str | None:
+    """Why the GPU 2:4 ``kernel`` (``cusparselt`` or ``cutlass``) cannot run here, or None if it can.
+
+    The rules that need no timing, shared by the deploy and the training decisions: CUDA device,
+    the kernel in the build (cuSPARSELt) or on the GPU generation (PyTorch's CUTLASS 2:4 kernels
+    are compiled for compute capability 8.x only), fp16/bf16. ``cusparselt_available`` and
+    ``capability`` default to the running build and GPU; tests pass them.
+    """
+    if device_type != "cuda":
+        return f"no 2:4 kernel on {device_type} ({'cuSPARSELt' if kernel == 'cusparselt' else 'CUTLASS 2:4'} is CUDA only)"
+    if kernel == "cusparselt":
+        if cusparselt_available is None:
+            cusparselt_available = torch.backends.cusparselt.is_available()
+        if not cusparselt_available:
+            return "this torch build has no cuSPARSELt"
+    else:
+        if not hasattr(torch, "_sparse_semi_structured_mm"):
+            return "this torch build has no CUTLASS 2:4 ops (torch._sparse_semi_structured_mm)"
+        if capability is None:
+            capability = torch.cuda.get_device_capability()
+        if capability[0] != 8:
+            return (
+                f"PyTorch's CUTLASS 2:4 kernels run on compute capability 8.x only, this GPU is "
+                f"sm{capability[0]}{capability[1]}; use cusparselt"
+            )
+    if dtype not in CUSPARSELT_DTYPES:
+        return f"{dtype} has no {kernel} 2:4 kernel here; cast the model to fp16 or bf16 (model.half()) or train under autocast"
+    return None
 
 
 def _refuse(requested: str, why: str) -> Decision:
@@ -82,7 +111,8 @@ def _refuse(requested: str, why: str) -> Decision:
     return Decision("dense", why)
 
 
-def _time(fn, reps: int = 20) -> float:
+def time_cuda(fn, reps: int = 20) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA stream (CUDA events, 3 warm-up calls)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         fn()
@@ -113,8 +143,8 @@ def measure(decision: Decision, weight, bias, values, tokens: int | None, in_fea
             x = torch.randn(count, in_features, device=w.device, dtype=w.dtype)
             if count == ladder[-1]:
                 alg_id = int(torch._cslt_sparse_mm_search(values, x.t(), bias=b, transpose_result=True))
-            dense = _time(lambda: F.linear(x, w, b))
-            sparse = _time(lambda: sparse_linear(x, w, values, values.new_empty(0, dtype=torch.int16), b, "cusparselt", alg_id, 0))
+            dense = time_cuda(lambda: F.linear(x, w, b))
+            sparse = time_cuda(lambda: sparse_linear(x, w, values, values.new_empty(0, dtype=torch.int16), b, "cusparselt", alg_id, 0))
             faster.append(dense > MARGIN * sparse)
             speedup = dense / sparse
     if not faster[-1]:  # slower (or within the margin) at the largest token count: never worth it

@@ -22,7 +22,7 @@ import torch
 
 from .. import masks
 
-__all__ = ["Packed24", "pack", "unpack", "pack_state_dict", "unpack_state_dict"]
+__all__ = ["Packed24", "pack", "unpack", "cutlass_meta", "row_meta", "pack_state_dict", "unpack_state_dict"]
 
 META_SUFFIX = ".nm24_meta"
 GROUPS_PER_WORD = 4
@@ -44,17 +44,37 @@ class Packed24:
     def cutlass(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values, meta)`` in the layout ``torch._sparse_semi_structured_linear`` takes (2-D fp16/bf16,
         rows divisible by 32): the same values, the metadata words in CUTLASS's interleaved order."""
-        from torch.sparse._semi_structured_conversions import _calculate_meta_reordering_scatter_offsets
-
         if self.values.dim() != 2 or self.values.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the CUTLASS layout takes 2-D fp16/bf16 weights, got {tuple(self.shape)} {self.values.dtype}")
-        rows, words = self.meta.shape
-        if rows % 32:
-            raise ValueError(f"the CUTLASS layout needs rows divisible by 32, got {rows}")
-        offsets = _calculate_meta_reordering_scatter_offsets(rows, words, torch.int16, self.meta.device)
-        reordered = torch.empty_like(self.meta)
-        reordered.view(-1).scatter_(0, offsets, self.meta.view(-1))
-        return self.values, reordered
+        return self.values, cutlass_meta(self.meta)
+
+    @classmethod
+    def from_cutlass(cls, values: torch.Tensor, meta: torch.Tensor) -> "Packed24":
+        """The inverse of :meth:`cutlass`: metadata in CUTLASS's order back to row order (any value dtype)."""
+        return cls(values, row_meta(meta))
+
+
+def _meta_offsets(meta: torch.Tensor) -> torch.Tensor:
+    from torch.sparse._semi_structured_conversions import _calculate_meta_reordering_scatter_offsets
+
+    if meta.dim() != 2 or meta.dtype != torch.int16:
+        raise ValueError(f"the CUTLASS metadata order is defined for 2-D int16 metadata, got {tuple(meta.shape)} {meta.dtype}")
+    rows, words = meta.shape
+    if rows % 32:
+        raise ValueError(f"the CUTLASS layout needs rows divisible by 32, got {rows}")
+    return _calculate_meta_reordering_scatter_offsets(rows, words, torch.int16, meta.device)
+
+
+def cutlass_meta(meta: torch.Tensor) -> torch.Tensor:
+    """Row-order metadata ``[rows, K/16]`` (rows divisible by 32) in CUTLASS's interleaved order."""
+    reordered = torch.empty_like(meta)
+    reordered.view(-1).scatter_(0, _meta_offsets(meta), meta.reshape(-1))
+    return reordered
+
+
+def row_meta(meta: torch.Tensor) -> torch.Tensor:
+    """CUTLASS-ordered metadata back in row order (the inverse of :func:`cutlass_meta`)."""
+    return meta.reshape(-1).gather(0, _meta_offsets(meta)).view(meta.shape)
 
 
 def _check_24(weight: torch.Tensor, what: str) -> None:

@@ -44,6 +44,11 @@ class PassContext:
     declared: bool = False  # whether any route declared a recipe (even "dense") for some weight
     # fqn -> (forward weight node, DGRAD weight node or None, the model's nodes that consume it)
     projected: dict[str, tuple[fx.Node, fx.Node | None, tuple[fx.Node, ...]]] = field(default_factory=dict)
+    # fqn -> the recipe state placeholders, in the recipe's state_names order
+    state_nodes: dict[str, tuple[fx.Node, ...]] = field(default_factory=dict)
+    # training GEMM kernels: the option, and per weight the decision (a kernels.train_dispatch.TrainKernels)
+    train_kernel: str = "auto"  # auto, dense, cusparselt, cutlass or reference
+    train_kernels: dict[str, object] = field(default_factory=dict)
     extra_outputs: int = 0  # graph outputs appended after Dynamo's (saved DGRAD weights), dropped at run time
     # deploy: finalized weights and the kernel each gets
     deploy_kernel: str = "auto"  # auto, dense, cusparselt or reference

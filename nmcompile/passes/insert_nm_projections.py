@@ -52,6 +52,7 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
         for user in before:  # the model's uses of the weight (not the recipe's own ops)
             user.replace_input_with(target.node, projected)
         ctx.projected[target.fqn] = (projected, dgrad, tuple(before))
+        ctx.state_nodes[target.fqn] = tuple(state_nodes)
     graph.lint()
     gm.recompile()
     return len(ctx.targets)

@@ -104,6 +104,35 @@ class Recipe:
         """
         return None
 
+    # ---- what the training GEMMs can rely on (the 2:4 training kernels, see nmcompile.kernels.training)
+
+    def forward_pattern(self, frame: int | None = None) -> tuple[int, int] | None:
+        """The N:M pattern :meth:`project`'s output has along ``dim`` by construction (None: not N:M).
+
+        Read from the declaration alone, never from weight values; a recipe with a
+        :meth:`forward_gate` has it only while the gate is on.
+        """
+        return (self.n, self.m)
+
+    def forward_gate(self, *state: torch.Tensor) -> torch.Tensor | None:
+        """A 0-d bool tensor: the forward weight has :meth:`forward_pattern` only while it is True (None: always)."""
+        return None
+
+    def forward_factors(self, weight: torch.Tensor, *state: torch.Tensor, dim: int, frame: int | None = None):
+        """``(operand, scale)`` with ``project(...) == scale * operand``, ``scale`` 0-d and the gradient
+        reaching ``weight`` as through :meth:`project`, so a GEMM can scale its output instead of a copy
+        of the weight; None when the projection has no such factor."""
+        return None
+
+    def dgrad_pattern(self) -> tuple[int, int] | None:
+        """The N:M pattern of the DGRAD weight (:meth:`dgrad_weight`, else the forward weight) along the
+        output axis, in the row order :meth:`dgrad_order` (None: not N:M along ``out``)."""
+        return None
+
+    def dgrad_order(self, *state: torch.Tensor) -> torch.Tensor | None:
+        """The output-row order in which the DGRAD weight is N:M along ``out`` (None: as stored)."""
+        return None
+
     def mask(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
         """The boolean mask the forward applies now (diagnostics: flip rate, SAD)."""
         return masks.keep_mask(weight.detach(), self.n, self.m, dim)

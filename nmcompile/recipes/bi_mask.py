@@ -112,6 +112,12 @@ class BiMask(Recipe):
     def dgrad_weight(self, projected, step, perm, dim):
         return torch.ops.nmsparse.backward_mask_weight(projected.detach(), perm, self.n, self.m, dim)
 
+    def dgrad_pattern(self):
+        return (self.n, self.m)  # W * B: N:M along out in the row order perm
+
+    def dgrad_order(self, step, perm):
+        return perm
+
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
             if w.step % self.every == 0:

@@ -83,3 +83,6 @@ class MDGF(Recipe):
         kept = torch.ops.nmsparse.prune(weight, self.n, self.m, dim)
         # kept + alpha * (w - kept) = w * (m + (1 - m) * alpha); straight-through, since prune is
         return kept + self.alpha(step).to(weight.dtype) * (weight - kept)
+
+    def forward_pattern(self, frame=None):
+        return None  # pruned weights still count, scaled by alpha_t (N:M only once alpha_t is 0)

@@ -38,3 +38,8 @@ class SSTE(Recipe):
     def project(self, weight: torch.Tensor, *state: torch.Tensor, dim: int, frame=None) -> torch.Tensor:
         (beta,) = state
         return torch.ops.nmsparse.soft_threshold(weight, beta, self.n, self.m, dim)
+
+    def forward_factors(self, weight, *state, dim, frame=None):
+        """``(S(W), beta)``: a 2:4 GEMM multiplies by ``S(W)`` and scales its output by the fixed ``beta``."""
+        (beta,) = state
+        return torch.ops.nmsparse.soft_threshold(weight, torch.ones_like(beta), self.n, self.m, dim), beta

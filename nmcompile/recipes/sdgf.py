@@ -121,6 +121,9 @@ class SDGF(Recipe):
             return weight.clone()
         return torch.ops.nmsparse.prune(weight, *pattern, dim)
 
+    def forward_pattern(self, frame=None):
+        return None if frame is None else self.pattern_at(frame)  # the compiled frame's pattern
+
     def mask(self, weight, step, dim):
         pattern = self.pattern_at(self.frame_at(int(step)))
         if pattern is None:

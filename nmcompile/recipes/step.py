@@ -92,6 +92,9 @@ class STEP(Recipe):
         # is zero in phase 1, where the output is the weight itself
         return torch.ops.nmsparse.prune_when(weight, phase, self.n, self.m, dim, float(self.decay))
 
+    def forward_gate(self, step, phase, switch_step, z, v):
+        return phase  # N:M only after the switch
+
     # ---- optimizer time (see nmcompile.training.optimizer_hook) ----
 
     def _groups(self, weights, optimizer) -> dict[int, dict]:

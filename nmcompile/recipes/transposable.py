@@ -72,6 +72,9 @@ class Transposable(Recipe):
     def project(self, weight, step, mask, dim, frame=None):
         return straight_through_mask(weight, mask)
 
+    def dgrad_pattern(self):
+        return (self.n, self.m)  # W^T is N:M along out: the DGRAD GEMM can use the same kind of kernel
+
     def mask(self, weight, step, mask, dim):
         return mask.bool()
 

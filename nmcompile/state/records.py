@@ -92,6 +92,9 @@ class WeightAnnotation:
     consumed: bool = field(default=False, compare=False)  # an nmsparse graph has run with it
     # the step driver, held while the record lives (see nmcompile.training.optimizer_hook)
     driver: object = field(default=None, compare=False, repr=False)
+    # the kernels of its training GEMMs in the graph that last ran it (a kernels.train_dispatch.TrainKernels,
+    # set by the backend; read by nmcompile.training.train_report)
+    kernels: object = field(default=None, compare=False, repr=False)
 
     __hash__ = None  # mutable (pending); compare by (recipe, dim)
 

@@ -3,9 +3,11 @@
 :mod:`.optimizer_hook` holds PyTorch's global optimizer step hooks while a declared model lives
 (schedules need no call); :func:`hook_optimizer` adds diagnostics and ``check_finite``.
 :mod:`.diagnostics` reads what was recorded (:func:`diagnostics`) and plots it (:func:`plot_diagnostics`).
+:func:`train_report` says which kernel each training GEMM of every annotated weight runs, and why.
 """
 
 from .diagnostics import diagnostics, plot_diagnostics
 from .optimizer_hook import hook_optimizer
+from .report import train_report
 
-__all__ = ["hook_optimizer", "diagnostics", "plot_diagnostics"]
+__all__ = ["hook_optimizer", "diagnostics", "plot_diagnostics", "train_report"]

@@ -225,10 +225,12 @@ def test_unknown_option_lists_accepted_with_nearest():
 
 
 def test_options_pass_inductor_settings_and_mode_through():
-    plan, inner = parse_options({"recipe": "ste", "epilogue_fusion": False}, None)
-    assert inner.name == "inductor" and inner.patches == {"epilogue_fusion": False}
-    _, inner = parse_options(None, "max-autotune-no-cudagraphs")
-    assert inner.patches.get("max_autotune") is True
+    plan, inner, train_kernel = parse_options({"recipe": "ste", "epilogue_fusion": False}, None)
+    assert inner.name == "inductor" and inner.patches == {"epilogue_fusion": False} and train_kernel == "auto"
+    _, inner, train_kernel = parse_options({"train_kernel": "reference"}, "max-autotune-no-cudagraphs")
+    assert inner.patches.get("max_autotune") is True and train_kernel == "reference"
+    with pytest.raises(ValueError, match="train_kernel='cusparseLt' is not one of .* \\(did you mean 'cusparselt'\\?\\)"):
+        parse_options({"train_kernel": "cusparseLt"}, None)
     with pytest.raises(ValueError, match="need inner='inductor'"):
         parse_options({"inner": "aot_eager", "epilogue_fusion": False}, None)
     with pytest.raises(ValueError, match="inner='bogus' is not one of"):

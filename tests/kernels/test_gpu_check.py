@@ -1,0 +1,75 @@
+"""benchmarks/gpu_check.py: on a machine without CUDA it says so, writes its JSON and table, and exits
+0; its summaries and target verdicts are checked here on made-up rows (the real numbers come only
+from a GPU run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nmcompile
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_check
+
+    return gpu_check
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
+def test_without_cuda_it_says_so_writes_its_files_and_exits_0(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no CUDA GPU here" in done.stdout and "nothing measured" in done.stdout
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["env"]["cuda_available"] is False and result["env"]["torch"] == torch.__version__
+    assert "nothing measured" in result["message"] and result["targets"] == []
+    assert "nothing measured" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_kernel_summary_reads_train_report_and_a_step_trains(gpu_check):
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    nmcompile.annotate(model, gpu_check.TARGET)
+    assert gpu_check.kernels_summary(model) == ("0.weight: not compiled yet; 2.weight: not compiled yet", [])
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", "train_kernel": "reference"})
+    x, dy = torch.randn(32, 32, requires_grad=True), torch.randn(32, 32)
+    gpu_check.step_fn(model, compiled, (x, dy))()
+    assert all(p.grad is not None for p in model.parameters())
+    text, speedups = gpu_check.kernels_summary(model)
+    assert text == "0.weight: reference/reference/reference; 2.weight: reference/reference/reference"
+    assert speedups == []  # the reference kernel is never timed
+
+
+def test_targets_and_table_from_rows(gpu_check):
+    shape = "vit-l 12608x1024->4096->1024"
+    rows = [
+        {"shape": shape, "variant": "dense", "ms": 2.0, "vs_dense": 1.0, "kernels": "", "sparse_speedups": []},
+        {"shape": shape, "variant": f"{gpu_check.TARGET} [cusparselt]", "ms": 1.6, "vs_dense": 1.25, "kernels": "",
+         "sparse_speedups": []},
+        {"shape": shape, "variant": f"{gpu_check.TARGET} [auto]", "ms": 1.9, "vs_dense": 1.05, "kernels": "x",
+         "sparse_speedups": [1.2, 0.9]},
+    ]
+    deploy = {"status": 0, "linear": [{"shape": "llm 16x4096->11008", "dense": 1.0, "nmsparse": 1.0},
+                                      {"shape": "vit-l fc1 13008x1024->4096", "dense": 3.0, "nmsparse": 1.5}]}
+    result = {"env": {"cuda_available": True}, "train_mlp": rows, "train_gpt2": [], "deploy": deploy,
+              "tests": {"cmd": "pytest -m gpu", "status": 0, "seconds": 1.0, "tail": ["5 passed"]}}
+    verdicts = {t["target"]: (t["measured"], t["status"]) for t in gpu_check.targets(result)}
+    assert verdicts[f"MLP block fwd+bwd, vit-l, {gpu_check.TARGET} >= 1.3x dense compiled"] == (1.25, "not met")
+    assert verdicts[f"MLP block fwd+bwd, gpt2, {gpu_check.TARGET} >= 1.3x dense compiled"] == (None, "not measured")
+    assert verdicts["GPT-2-small training step >= 1.1x"] == (None, "not measured")
+    assert verdicts["deploy large GEMM >= 1.5x (vit-l fc1 13008x1024->4096)"] == (2.0, "met")
+    assert verdicts["no layer slower than dense under auto"] == (0.9, "not met")
+    result["targets"] = gpu_check.targets(result)
+    table = gpu_check.markdown(result)
+    assert f"| {shape} | {gpu_check.TARGET} [cusparselt] | 1.600 | 1.25 |" in table
+    assert "| deploy large GEMM >= 1.5x (vit-l fc1 13008x1024->4096) | 2.0 | met |" in table
