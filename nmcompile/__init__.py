@@ -45,6 +45,7 @@ _MOVED = {
     "pack_state_dict": "nmcompile.deploy",
     "unpack_state_dict": "nmcompile.deploy",
     "plot_diagnostics": "nmcompile.training",
+    "train_report": "nmcompile.training",
     "save_run": "nmcompile.app",
     "NMPattern": "nmcompile.pattern",
 }
