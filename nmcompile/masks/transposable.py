@@ -242,9 +242,15 @@ def _fused_mask(w: torch.Tensor) -> torch.Tensor:
         a16.copy_(tiles).abs_()
     big = torch.finfo(torch.float32).max
     a16 = torch.nan_to_num_(a16, nan=0.0, posinf=big).reshape(16, -1)  # as _magnitudes
-    keep = _pattern_table(2, 4).to(w.device)[fused_2_4(a16)]  # [tiles, 16]
+    index, table = fused_2_4(a16), _pattern_table(2, 4).to(w.device)
     out = torch.empty(w.shape, dtype=torch.bool, device=w.device)
-    out.view(split).permute(0, 2, *range(4, w.dim() + 2), 1, 3).copy_(keep.view(r // 4, c // 4, *rest, 4, 4))
+    if not rest:  # a tile row's 4 entries are adjacent bytes: move each as one int32 (4x faster)
+        rows = torch.index_select(table.view(torch.uint8).view(torch.int32), 0, index)  # [tiles, 4]
+        as_int32 = out.view(torch.uint8).view(torch.int32).view(r // 4, 4, c // 4)
+        as_int32.permute(0, 2, 1).copy_(rows.view(r // 4, c // 4, 4))
+    else:
+        keep = table[index]  # [tiles, 16]
+        out.view(split).permute(0, 2, *range(4, w.dim() + 2), 1, 3).copy_(keep.view(r // 4, c // 4, *rest, 4, 4))
     return out
 
 
