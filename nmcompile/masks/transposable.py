@@ -14,10 +14,11 @@ Each solver keeps as much magnitude as it can, tile by tile (``sum |w| * mask``)
 - ``"exact"``: an optimal mask. For M <= 4 (2:4, 1:4, 3:4, ...) every valid tile pattern is
   enumerated (90 for 2:4) and all tiles are scored against all patterns in one matmul; a 2:4 mask
   of at least ``FUSED_MIN_TILES`` tiles on the CPU takes the same choices from one kernel that
-  Inductor compiles once per tile count (``fused_2_4``: about 0.4 ms against 25 ms for a 1024 x
-  1024 weight on 2 cores, so a mask can follow the weights every step). For larger
-  M, a max-weight bipartite b-matching per tile (rows and columns of degree N, each entry used at
-  most once), solved by successive shortest paths as a min-cost flow, all tiles in lockstep.
+  Inductor compiles once per tile count (``fused_2_4``; about 1 ms, half of it that kernel,
+  against 25 ms for a 1024 x 1024 weight on 2 cores, so a mask can follow the weights every few
+  steps). For larger M, a max-weight bipartite b-matching per tile (rows and columns of degree
+  N, each entry used at most once), solved by successive shortest paths as a min-cost flow, all
+  tiles in lockstep.
 - ``"greedy"``: visit a tile's entries by decreasing magnitude and take each one whose row and
   column both still have fewer than N, then repair the tiles where that gets stuck (see
   :func:`_greedy_tiles`). Keeps at least half of the optimum in every tile.
