@@ -330,15 +330,14 @@ def test_cuda_gives_the_cpu_masks():
 # ----------------------------------------------------------------------------- the fused 2:4 kernel, the recipe
 
 
-def test_fused_2_4_kernel_makes_the_table_choices(monkeypatch):
-    monkeypatch.setattr(tp, "FUSED_MIN_TILES", 64)  # the fused path from 64 tiles on; all cases have 64
+def test_fused_2_4_kernel_makes_the_table_choices():
     gen = torch.Generator().manual_seed(11)
     cases = [weights(kind, (16, 64), gen) for kind in ("normal", "heavy", "ties", "sparse")]
     cases += [torch.zeros(32, 32), weights("normal", (16, 16, 4), gen).half(), torch.randn(64, 16, generator=gen)]
     cases[-1][0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # counted as 0, max, max
     for w in cases:
         table = tp._from_tiles(tpx._exact_by_table(tp._to_tiles(tp._magnitudes(w), 4), 2), w.shape, 4)
-        assert torch.equal(transposable_mask(w, 2, 4), table)
+        assert torch.equal(tp._fused_mask(w), table)  # all cases have 64 tiles: one compile
 
 
 def brute_mask(w):
