@@ -14,6 +14,7 @@ study can run in pieces (``--only``, ``--seeds``). ``--markdown`` prints the tab
 
     python benchmarks/quality.py                      # the whole study (about two hours on 2 cores)
     python benchmarks/quality.py --only gpt --seeds 0  # a piece of it
+    python benchmarks/quality.py --only gpt --names "sr_ste 2:4" --results /tmp/rows.jsonl  # some rows, elsewhere
     python benchmarks/quality.py --markdown > table.md
 """
 
@@ -351,6 +352,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=["gpt", "mnist"], default=["gpt", "mnist"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--results", default=RESULTS, help="JSON-lines results file (appended; done runs are skipped)")
+    parser.add_argument("--names", nargs="+", help='run only these rows, e.g. "sr_ste 2:4" "transposable 2:4"')
     parser.add_argument("--steps-scale", type=float, default=1.0, help="scale every run's steps (quick checks)")
     parser.add_argument("--markdown", action="store_true", help="print the table and the claims, run nothing")
     parser.add_argument("--plots", help="write the mean curves as PNG files into this folder, run nothing")
@@ -369,6 +371,8 @@ def main() -> None:
         return
     done = {(r["task"], r["name"], r["seed"]) for r in rows}
     todo = [c for c in configs(args.only, args.seeds, args.steps_scale) if (c[0], c[1], c[3]) not in done]
+    if args.names:
+        todo = [c for c in todo if c[1] in args.names]
     print(f"{len(done)} runs done, {len(todo)} to go -> {args.results}", file=sys.stderr)
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
     data = {}

@@ -53,7 +53,12 @@ SPECS = {
     "mdgf": "mdgf:2:4",
     "sdgf": "sdgf:2:4,total_steps=1000000",  # frame 3:4 (the first) all along
     "asp": "asp:2:4,permute=false",
-    "transposable": "transposable:2:4,every=40",
+    "transposable": "transposable:2:4",  # the recipe's defaults (every, decay)
+    "transposable_k1": "transposable:2:4,every=1",  # mask refreshed after every optimizer step
+    "transposable_k2": "transposable:2:4,every=2",
+    "transposable_k4": "transposable:2:4,every=4",
+    "transposable_k40": "transposable:2:4,every=40",
+    "transposable_k40_plain": "transposable:2:4,every=40,decay=0",  # the settings before decay existed
     "bi_mask": "bi_mask:2:4,every=100",
     "ste_mvue24": "ste:2:4,wgrad=mvue24",
     "s_ste_mvue24": "s_ste:2:4,wgrad=mvue24",
@@ -206,7 +211,7 @@ def step_table(args, names) -> None:
         dense = times[("dense", adam)]
         how = "Adam(fused=True)" if adam == "fused" else "default Adam (single-tensor loop on CPU)"
         print(f"\n{how}, each variant against dense with the same optimizer")
-        print(f"{'variant':<18}{'median ms':>10}{'vs dense':>10}{'paired':>10}{'mean':>10}")
+        print(f"{'variant':<26}{'median ms':>10}{'vs dense':>10}{'paired':>10}{'mean':>10}")
         for name in names:
             t = times[(name, adam)]
             # paired: the median over rounds of (this variant's step / dense's step in the same
@@ -214,7 +219,7 @@ def step_table(args, names) -> None:
             paired = statistics.median(a / b for a, b in zip(t, dense))
             ratio = statistics.median(t) / statistics.median(dense)
             mean = statistics.fmean(t) / statistics.fmean(dense)
-            print(f"{name:<18}{statistics.median(t) * 1e3:>10.2f}{ratio:>10.3f}{paired:>10.3f}{mean:>10.3f}")
+            print(f"{name:<26}{statistics.median(t) * 1e3:>10.2f}{ratio:>10.3f}{paired:>10.3f}{mean:>10.3f}")
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ Mask ops (forward; gradient with respect to ``w``):
 
 - ``prune(w, n, m, dim)``: the top-n of every m; ``g`` (straight-through).
 - ``prune_decay(w, n, m, dim, lam)``: the same; ``g + lam * (w - out)`` (= ``g + lam * (1 - mask) * w``).
+- ``mask_decay(w, mask, lam)``: ``w`` times a stored 0/1 mask (transposable); ``g + lam * (w - out)``.
 - ``prune_when(w, on, n, m, dim, lam)``: ``prune(w)`` where the 0-d bool ``on`` holds, else ``w``
   itself, in one pass; ``g + lam * (w - out)``, which is ``g`` while ``on`` is off.
 - ``soft_threshold(w, beta, n, m, dim)``: ``beta * S(w)``; ``g`` (straight-through, no beta).
@@ -41,8 +42,8 @@ from torch import Tensor
 from . import masks
 
 __all__ = [
-    "prune", "prune_decay", "prune_when", "soft_threshold", "backward_mask_weight", "linear", "conv", "fake_fp8",
-    "mvue_along", "autocast_kernel", "DECOMPOSITIONS",
+    "prune", "prune_decay", "mask_decay", "prune_when", "soft_threshold", "backward_mask_weight", "linear", "conv",
+    "fake_fp8", "mvue_along", "autocast_kernel", "DECOMPOSITIONS",
 ]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -57,6 +58,10 @@ def _prune_decay(w: Tensor, n: int, m: int, dim: int, decay: float) -> Tensor:
     return masks.prune(w, n, m, dim).contiguous()
 
 
+def _mask_decay(w: Tensor, mask: Tensor, decay: float) -> Tensor:
+    return masks.apply_mask(w, mask).contiguous()
+
+
 def _prune_when(w: Tensor, on: Tensor, n: int, m: int, dim: int, decay: float) -> Tensor:
     return masks.prune(w, n, m, dim, on=on).contiguous()
 
@@ -69,6 +74,7 @@ prune = torch.library.custom_op("nmsparse::prune", _prune, mutates_args=())
 prune_decay = torch.library.custom_op("nmsparse::prune_decay", _prune_decay, mutates_args=())
 soft_threshold = torch.library.custom_op("nmsparse::soft_threshold", _soft_threshold, mutates_args=())
 prune_when = torch.library.custom_op("nmsparse::prune_when", _prune_when, mutates_args=())
+mask_decay = torch.library.custom_op("nmsparse::mask_decay", _mask_decay, mutates_args=())
 
 
 @prune.register_fake
@@ -78,6 +84,11 @@ def _(w, n, m, dim):
 
 @prune_decay.register_fake
 def _(w, n, m, dim, decay):
+    return w.new_empty(w.shape)  # outputs are contiguous
+
+
+@mask_decay.register_fake
+def _(w, mask, decay):
     return w.new_empty(w.shape)  # outputs are contiguous
 
 
@@ -96,7 +107,7 @@ def _straight_through(ctx, grad):
 
 
 def _decay_setup(ctx, inputs, output):
-    w, decay = inputs[0], inputs[-1]  # prune_decay(w, n, m, dim, decay), prune_when(w, on, n, m, dim, decay)
+    w, decay = inputs[0], inputs[-1]  # prune_decay(w, n, m, dim, decay), mask_decay(w, mask, decay), prune_when(...)
     ctx.decay, ctx.n_inputs = decay, len(inputs)
     if decay:
         ctx.save_for_backward(w, output)
@@ -119,6 +130,7 @@ prune.register_autograd(_straight_through)
 prune_decay.register_autograd(_decay_backward, setup_context=_decay_setup)
 soft_threshold.register_autograd(_soft_threshold_backward)
 prune_when.register_autograd(_decay_backward, setup_context=_decay_setup)
+mask_decay.register_autograd(_decay_backward, setup_context=_decay_setup)
 
 def fake_fp8(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` rounded through the FP8 format ``dtype`` with a per-tensor scale ``max / amax(t)``."""
@@ -275,6 +287,7 @@ DECOMPOSITIONS = {
     torch.ops.nmsparse.prune_decay.default: _prune_decay,
     torch.ops.nmsparse.soft_threshold.default: _soft_threshold,
     torch.ops.nmsparse.prune_when.default: _prune_when,
+    torch.ops.nmsparse.mask_decay.default: _mask_decay,
     torch.ops.nmsparse.backward_mask_weight.default: _backward_mask_weight,
     torch.ops.nmsparse.linear.default: _linear,
     torch.ops.nmsparse.conv.default: _conv,

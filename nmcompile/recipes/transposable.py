@@ -4,8 +4,13 @@ Every M x M tile of the weight matrix (axes 0 and 1; a conv's kernel positions a
 matrices; a stacked expert weight ``[E, a, b]`` is one matrix per expert, tiled over ``a, b``) keeps exactly N per row and per column, so ``W`` is N:M along ``in`` and ``W^T`` along
 ``out``. The mask is a state tensor computed when the weight is annotated and refreshed from the
 dense weights every ``every`` optimizer steps: 2:4 by the exact best of the 90 tile patterns,
-larger M by a greedy pass with a repair step (``nmcompile.masks.transposable_mask``). Forward ``W * mask``
-with a straight-through gradient. With ``wgrad="mvue24"`` all three training GEMMs are N:M.
+larger M by a greedy pass with a repair step (``nmcompile.masks.transposable_mask``).
+
+Forward ``W * mask``. Backward: the straight-through gradient plus the masked decay of T-SR-STE
+(Hu et al., ICML 2024), ``dW = dW~ + decay * (1 - mask) * W`` on the weights the stored mask
+prunes, through the same op path as SR-STE's term (``nmsparse::mask_decay``), so it passes through
+the optimizer's momentum and preconditioner. ``decay=0`` is Hubara's plain straight-through
+estimator. With ``wgrad="mvue24"`` all three training GEMMs are N:M.
 """
 
 from __future__ import annotations
@@ -22,12 +27,6 @@ from ..pattern import NMPattern, is_stacked
 from .base import Recipe
 
 
-def straight_through_mask(weight, mask):
-    """``weight * mask`` (a stored 0/1 mask) in the forward, the identity for the gradient (``w + (kept - w)``)."""
-    kept = masks.apply_mask(weight, mask)
-    return weight + (kept - weight).detach()
-
-
 def fits_both_axes(recipe, weight: torch.Tensor, dim: int) -> str | None:
     """Tiles span axes 0 and 1 (a stacked expert weight: its last two axes): both must take the pattern."""
     pattern = NMPattern(recipe.n, recipe.m)
@@ -36,15 +35,20 @@ def fits_both_axes(recipe, weight: torch.Tensor, dim: int) -> str | None:
     return pattern.fits(weight, dim) or pattern.fits(weight, 1 - dim if dim in (0, 1) else 0)
 
 
-def tile_mask(weight: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
-    """The transposable mask of ``weight`` as stored state: over axes 0 and 1, or per expert over
-    the last two axes of a stacked weight (the expert axes become the mask's independent batches)."""
+def tile_keep(weight: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
+    """The boolean transposable mask of ``weight``: over axes 0 and 1, or per expert over the last
+    two axes of a stacked weight (the expert axes become the mask's independent batches)."""
     w = weight.detach()
     if is_stacked(w.dim(), dim):
         lead = w.dim() - 2
-        return masks.store_mask(transposable_mask(w.movedim(tuple(range(lead)), tuple(range(-lead, 0))), n, m)
-                                .movedim(tuple(range(-lead, 0)), tuple(range(lead))))
-    return masks.store_mask(transposable_mask(w, n, m))
+        keep = transposable_mask(w.movedim(tuple(range(lead)), tuple(range(-lead, 0))), n, m)
+        return keep.movedim(tuple(range(-lead, 0)), tuple(range(lead)))
+    return transposable_mask(w, n, m)
+
+
+def tile_mask(weight: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
+    """The transposable mask of ``weight`` as stored state (see :func:`tile_keep`)."""
+    return masks.store_mask(tile_keep(weight, n, m, dim))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,12 +57,18 @@ class Transposable(Recipe):
     state_names = ("step", "mask")
     clocked = True
 
-    every: int = 40  # refresh the mask every this many optimizer steps
+    every: int = 3  # refresh the mask every this many optimizer steps (the cheapest within 1.10x dense, see docs)
+    decay: float = 6e-5  # alpha of T-SR-STE's masked decay (GPT-2 124M); 0: plain straight-through
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.every < 1:
             raise ValueError(f"transposable: every must be >= 1 (optimizer steps between refreshes), got {self.every}")
+        if not self.decay >= 0:
+            raise ValueError(
+                f"transposable: decay must be >= 0 (weight of the masked decay on pruned weights; "
+                f"default 6e-5, 0 turns it off), got {self.decay}"
+            )
 
     def fits(self, weight, dim):
         return fits_both_axes(self, weight, dim)
@@ -70,7 +80,7 @@ class Transposable(Recipe):
         return {"step": new_step(weight), "mask": torch.ones(weight.shape, dtype=masks.STORED_MASK_DTYPE, device=weight.device)}
 
     def project(self, weight, step, mask, dim, frame=None):
-        return straight_through_mask(weight, mask)
+        return torch.ops.nmsparse.mask_decay(weight, mask, float(self.decay))
 
     def dgrad_pattern(self):
         return (self.n, self.m)  # W^T is N:M along out: the DGRAD GEMM can use the same kind of kernel
@@ -80,5 +90,5 @@ class Transposable(Recipe):
 
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
-            if w.step % self.every == 0:
-                w.state["mask"].copy_(tile_mask(full(w.param.detach()), self.n, self.m, w.ann.dim))
+            if w.step % self.every == 0:  # the weights after this step, as the next forward sees them
+                w.state["mask"].copy_(tile_keep(full(w.param.detach()), self.n, self.m, w.ann.dim))

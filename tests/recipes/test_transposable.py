@@ -4,6 +4,7 @@ Optima come from brute force over all valid 4x4 patterns (2:4) and, where scipy 
 a linear program over the b-matching polytope, whose vertices are integral.
 """
 
+import copy
 import functools
 import itertools
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import nmcompile
 from nmcompile.masks import transposable as tp
 from nmcompile.masks import transposable_exact as tpx
 from nmcompile.masks.transposable import is_transposable, tile_counts, transposable_mask
@@ -323,3 +325,74 @@ def test_cuda_gives_the_cpu_masks():
             assert cuda.is_cuda
             assert_valid(cuda.cpu(), n, m)
             assert torch.equal(cuda.cpu(), transposable_mask(w.half(), n, m, method))
+
+
+# ----------------------------------------------------------------------------- the fused 2:4 kernel, the recipe
+
+
+def test_fused_2_4_kernel_makes_the_table_choices():
+    gen = torch.Generator().manual_seed(11)
+    cases = [weights(kind, (16, 64), gen) for kind in ("normal", "heavy", "ties", "sparse")]
+    cases += [torch.zeros(32, 32), weights("normal", (16, 16, 4), gen).half(), torch.randn(64, 16, generator=gen)]
+    cases[-1][0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # counted as 0, max, max
+    for w in cases:
+        table = tp._from_tiles(tpx._exact_by_table(tp._to_tiles(tp._magnitudes(w), 4), 2), w.shape, 4)
+        assert torch.equal(tp._fused_mask(w), table)  # all cases have 64 tiles: one compile
+
+
+def brute_mask(w):
+    """The best transposable 2:4 mask of every 4x4 tile of ``w`` by brute force (2by4 pre-training's rule)."""
+    mask = torch.zeros(w.shape, dtype=torch.bool)
+    for i, j in itertools.product(range(0, w.shape[0], 4), range(0, w.shape[1], 4)):
+        mask[i : i + 4, j : j + 4] = brute_force_2_4(w[i : i + 4, j : j + 4].detach())[0][1]
+    return mask
+
+
+def t_sr_ste_reference(model, opt, batches, decay, every):
+    """T-SR-STE by its equations: forward with W~ = W * m; dW = dL/dW~ (straight through) + decay * (1 - m) * W;
+    optimizer step; every ``every`` steps m = the exact transposable mask of the current W. The masks per step."""
+    linears = [mod for mod in model if isinstance(mod, torch.nn.Linear)]
+    masks, seen = {mod: brute_mask(mod.weight) for mod in linears}, []
+    for step, (x, y) in enumerate(batches, 1):
+        kept = {mod: (mod.weight * masks[mod]).detach().requires_grad_() for mod in linears}
+        for mod in model:
+            x = torch.nn.functional.linear(x, kept[mod], mod.bias) if mod in kept else mod(x)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(x, y).backward()
+        for mod in linears:
+            mod.weight.grad = kept[mod].grad + decay * (~masks[mod]) * mod.weight.detach()
+        opt.step()
+        if step % every == 0:
+            masks = {mod: brute_mask(mod.weight) for mod in linears}
+        seen.append([masks[mod] for mod in linears])
+    return seen
+
+
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("name,kw", [("SGD", {"lr": 0.5, "momentum": 0.9}), ("Adam", {"lr": 0.05})])
+def test_compiled_training_follows_the_t_sr_ste_reference(name, kw, every):
+    torch.manual_seed(12)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    ref, batches = copy.deepcopy(model), [(torch.randn(32, 16), torch.randn(32, 8)) for _ in range(5)]
+    expected = t_sr_ste_reference(ref, getattr(torch.optim, name)(ref.parameters(), **kw), batches, 0.05, every)
+    nmcompile.annotate(model, f"transposable:2:4,decay=0.05,every={every}")
+    run, opt = torch.compile(model, backend="nmsparse"), getattr(torch.optim, name)(model.parameters(), **kw)
+    for (x, y), masks in zip(batches, expected):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(run(x), y).backward()
+        opt.step()
+        assert all(torch.equal(model[i].weight_nm_mask.bool(), mask) for i, mask in zip((0, 2), masks))
+        if every == 1:  # refreshed after every step, from the weights as they are now
+            assert torch.equal(model[0].weight_nm_mask.bool(), brute_mask(model[0].weight))
+    assert not all(torch.equal(masks[0], expected[0][0]) for masks in expected[1:]), "no mask ever changed"
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("option", ["decay=-1e-5", "decay=nan", "decay=inf", "every=0"])
+def test_bad_options_name_the_recipe_and_the_option(option):
+    with pytest.raises(ValueError, match=f"transposable: {option.split('=')[0]}"):
+        nmcompile.recipe(f"transposable:2:4,{option}")
+    with pytest.raises(ValueError, match="transposable: decay"):
+        nmcompile.recipes.Transposable(decay=-1.0)
+    assert nmcompile.recipe("transposable:2:4").decay == 6e-5  # T-SR-STE's alpha for GPT-2 124M
