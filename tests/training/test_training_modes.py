@@ -218,7 +218,7 @@ SCHEDULES = {  # weight of mlp(layers=4) -> recipe; every transition falls insid
     "0.weight": "step:2:4,total_steps=6,t_min=0.5,t_max=0.5",  # switches at optimizer step 3
     "2.weight": "sdgf:1:8,total_steps=6",  # 7:8, then 4:8 from step 1, 2:8 from 3, 1:8 from 4
     "4.weight": "bi_mask:2:4,every=2,candidates=8,decay=0",  # permutation searched at 2, 4, 6
-    "6.weight": "transposable:2:4,every=2",  # mask refreshed at 2, 4, 6
+    "6.weight": "transposable:2:4,every=2,decay=0",  # mask refreshed at 2, 4, 6 (decay: once per backward, below)
     "8.weight": "mdgf:2:4,decay_coef=0.3,finetune_fraction=0.5,total_steps=6",  # binary from step 3
 }
 
@@ -288,6 +288,7 @@ DECAY = {
     "sr_ste": ("sr_ste:2:4,decay=0.1", "sr_ste:2:4,decay=0"),
     "bi_mask": ("bi_mask:2:4,decay=0.1,candidates=4", "bi_mask:2:4,decay=0,candidates=4"),
     "step": ("step:2:4,total_steps=10,decay=0.1", "step:2:4,total_steps=10"),
+    "transposable": ("transposable:2:4,decay=0.1", "transposable:2:4,decay=0"),
 }
 
 
