@@ -64,6 +64,7 @@ def unreadable_files(tmp_path):
     return names
 
 
+@pytest.mark.slow  # subprocesses
 def test_check_gives_unreadable_input_its_own_exit_code_and_one_line(tmp_path, capsys):
     for name in unreadable_files(tmp_path):
         code, _, err = run_here(capsys, "check", str(tmp_path / name))

@@ -61,6 +61,7 @@ def test_report_command(tmp_path, capsys):
     assert "must be a folder written by 'nmcompile demo" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # draws the plots
 def test_report_of_a_users_own_training_loop(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))

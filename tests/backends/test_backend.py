@@ -114,7 +114,7 @@ def test_annotate_takes_precedence_over_options():
     assert annotation_of(model.fc2, "weight").recipe == recipes.STE()
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_eval_and_no_grad_graphs_use_effective_weights(inner):
     model = MLP()
     nmcompile.annotate(model, "s_ste")
@@ -176,7 +176,7 @@ def test_one_graph_serves_many_instances_with_their_own_state():
     torch.testing.assert_close(out_b, eager_with(b, x))
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_instances_with_other_recipes_share_the_dynamo_graph(inner):
     models = [MLP() for _ in range(3)]
     for model, recipe in zip(models, ["ste", "s_ste:1:4", "ste"]):

@@ -330,6 +330,7 @@ def test_cuda_gives_the_cpu_masks():
 # ----------------------------------------------------------------------------- the fused 2:4 kernel, the recipe
 
 
+@pytest.mark.slow  # compiles the Inductor kernel for several shapes and dtypes
 def test_fused_2_4_kernel_makes_the_table_choices():
     gen = torch.Generator().manual_seed(11)
     cases = [weights(kind, (16, 64), gen) for kind in ("normal", "heavy", "ties", "sparse")]
