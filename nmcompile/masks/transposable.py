@@ -13,8 +13,8 @@ Each solver keeps as much magnitude as it can, tile by tile (``sum |w| * mask``)
 
 - ``"exact"``: an optimal mask. For M <= 4 (2:4, 1:4, 3:4, ...) every valid tile pattern is
   enumerated (90 for 2:4) and all tiles are scored against all patterns in one matmul; a 2:4 mask
-  of at least ``FUSED_MIN_TILES`` tiles on the CPU, from the second of its tile count on (a one-off
-  mask skips the compile), takes the same choices from one kernel that Inductor compiles once per
+  of at least ``FUSED_MIN_TILES`` tiles on the CPU that is refreshed periodically (``repeated``; a
+  one-off mask skips the compile), takes the same choices from one kernel that Inductor compiles once per
   tile count (``fused_2_4``; about 1 ms, half of it that kernel,
   against 25 ms for a 1024 x 1024 weight on 2 cores, so a mask can follow the weights every few
   steps). For larger M, a max-weight bipartite b-matching per tile (rows and columns of degree
@@ -39,7 +39,6 @@ data-dependent exits and are not meant to be traced by ``torch.compile``.
 
 from __future__ import annotations
 
-import collections
 import operator
 
 import torch
@@ -228,17 +227,10 @@ def _repair(a, keep, row_used, col_used, n):
     return keep
 
 
-_REQUESTS: collections.Counter = collections.Counter()  # (tiles, device) -> 2:4 masks asked for
-
-
-def _fused_pays(w: torch.Tensor) -> bool:
-    """Whether the compiled 2:4 kernel is worth it: a large weight on the CPU whose tile count was
-    asked for before (a periodic refresh). A one-off mask keeps the table, with no compile (seconds)."""
-    if w.device.type != "cpu" or w.numel() < 16 * FUSED_MIN_TILES:
-        return False
-    key = (w.numel() // 16, w.device)
-    _REQUESTS[key] += 1
-    return _REQUESTS[key] > 1
+def _fused_pays(w: torch.Tensor, repeated: bool) -> bool:
+    """Whether the compiled 2:4 kernel is worth it: a large weight on the CPU whose mask is asked for
+    again and again (a periodic refresh). A one-off mask keeps the table, with no compile (seconds)."""
+    return repeated and w.device.type == "cpu" and w.numel() >= 16 * FUSED_MIN_TILES
 
 
 def _fused_mask(w: torch.Tensor) -> torch.Tensor:
@@ -273,13 +265,15 @@ def _fused_mask(w: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- public API
 
 
-def transposable_mask(w: torch.Tensor, n: int, m: int, method: str = "auto") -> torch.Tensor:
+def transposable_mask(w: torch.Tensor, n: int, m: int, method: str = "auto", *, repeated: bool = False) -> torch.Tensor:
     """Boolean mask of ``w``'s shape with exactly ``n`` ones per row and column of every m x m tile.
 
     Axes 0 and 1 are tiled (both must be divisible by ``m``); further axes are independent
     batches. ``method`` is ``"exact"`` (optimal kept magnitude per tile), ``"greedy"`` (fast, at
     least half of the optimum per tile) or ``"auto"`` (exact when ``m <= 4``, greedy otherwise).
     Any float dtype and device; magnitudes are scored in float32 (greedy) or exactly (exact).
+    ``repeated``: the caller asks for this shape's mask again and again (a periodic refresh), so a
+    large exact 2:4 mask on the CPU may come from the compiled kernel (same choices, compiled once).
     """
     n, m = _check_nm(n, m)
     if method not in _METHODS:
@@ -291,7 +285,7 @@ def transposable_mask(w: torch.Tensor, n: int, m: int, method: str = "auto") -> 
     if method == "auto":
         method = "exact" if m <= _MAX_TABLE_M else "greedy"
     with torch.no_grad():
-        if method == "exact" and (n, m) == (2, 4) and _fused_pays(w):
+        if method == "exact" and (n, m) == (2, 4) and _fused_pays(w, repeated):
             return _fused_mask(w)
         tiles = _to_tiles(_magnitudes(w), m)
         if tiles.shape[0] == 0:

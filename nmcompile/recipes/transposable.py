@@ -35,15 +35,16 @@ def fits_both_axes(recipe, weight: torch.Tensor, dim: int) -> str | None:
     return pattern.fits(weight, dim) or pattern.fits(weight, 1 - dim if dim in (0, 1) else 0)
 
 
-def tile_keep(weight: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
+def tile_keep(weight: torch.Tensor, n: int, m: int, dim: int, *, repeated: bool = False) -> torch.Tensor:
     """The boolean transposable mask of ``weight``: over axes 0 and 1, or per expert over the last
-    two axes of a stacked weight (the expert axes become the mask's independent batches)."""
+    two axes of a stacked weight (the expert axes become the mask's independent batches).
+    ``repeated``: a periodic refresh (see :func:`nmcompile.masks.transposable_mask`)."""
     w = weight.detach()
     if is_stacked(w.dim(), dim):
         lead = w.dim() - 2
-        keep = transposable_mask(w.movedim(tuple(range(lead)), tuple(range(-lead, 0))), n, m)
+        keep = transposable_mask(w.movedim(tuple(range(lead)), tuple(range(-lead, 0))), n, m, repeated=repeated)
         return keep.movedim(tuple(range(-lead, 0)), tuple(range(lead)))
-    return transposable_mask(w, n, m)
+    return transposable_mask(w, n, m, repeated=repeated)
 
 
 def tile_mask(weight: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
@@ -91,4 +92,4 @@ class Transposable(Recipe):
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
             if w.step % self.every == 0:  # the weights after this step, as the next forward sees them
-                w.state["mask"].copy_(tile_keep(full(w.param.detach()), self.n, self.m, w.ann.dim))
+                w.state["mask"].copy_(tile_keep(full(w.param.detach()), self.n, self.m, w.ann.dim, repeated=True))
