@@ -1,4 +1,4 @@
-"""The quality study's table and claim checks (benchmarks/quality.py) on synthetic results."""
+"""The quality study's configurations, table and claim checks (benchmarks/quality*.py) on synthetic results."""
 
 import sys
 from pathlib import Path
@@ -6,10 +6,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import quality  # noqa: E402
+import quality_report as report  # noqa: E402
 
 
-def row(task, name, seed, metric, flip=None):
-    return {"task": task, "name": name, "seed": seed, "final_eval": metric, "mean_flip_rate": flip, "seconds": 1.0}
+def row(task, name, seed, metric, flip=None, regime=None):
+    out = {"task": task, "name": name, "seed": seed, "final_eval": metric, "mean_flip_rate": flip, "seconds": 1.0,
+           "steps_run": 600}
+    if regime is not None:
+        out["regime"] = regime
+    return out
+
+
+def verdicts(rows):
+    return {(c, t, r): v for c, t, r, v in report.claims(report.summarize(rows))}
 
 
 def test_claims_compare_means_in_the_right_direction():
@@ -23,36 +32,78 @@ def test_claims_compare_means_in_the_right_direction():
         row("mnist", "ste 1:8", 0, 0.90), row("mnist", "ste 1:8", 1, 0.92),
         row("mnist", "sr_ste 1:8", 0, 0.905), row("mnist", "sr_ste 1:8", 1, 0.925),
     ]
-    verdicts = {(c, t): v for c, t, v in quality.claims(quality.summarize(rows))}
-    assert verdicts[("SR-STE better than STE at 2:4", "gpt")].startswith("holds")  # lower loss
-    assert verdicts[("SR-STE better than STE at 2:4", "mnist")].startswith("does not hold")
-    assert verdicts[("S-STE closest to dense at 2:4", "gpt")].startswith("holds: behind dense by +0.1000 (s_ste 2:4) vs +0.2000 (sr_ste 2:4")
-    assert "within seed noise" not in verdicts[("SR-STE better than STE at 2:4", "gpt")]
+    got = verdicts(rows)  # rows without a regime are the scratch regime's
+    assert got[("SR-STE better than STE at 2:4", "gpt", "scratch")].startswith("holds")  # lower loss
+    assert got[("SR-STE better than STE at 2:4", "mnist", "scratch")].startswith("does not hold")
+    assert got[("S-STE closest to dense at 2:4", "gpt", "scratch")].startswith(
+        "holds: behind dense by +0.1000 (s_ste 2:4) vs +0.2000 (sr_ste 2:4")
+    assert "within seed noise" not in got[("SR-STE better than STE at 2:4", "gpt", "scratch")]
     # means 0.005 apart with a spread of 0.014 per side: the order is reported, marked as noise
-    assert verdicts[("SR-STE better than STE at 1:8", "mnist")].startswith("holds (within seed noise)")
-    assert verdicts[("S-STE's flip rate lower than STE's (2:4)", "gpt")].startswith("holds")
-    table = quality.markdown(rows)
-    assert "| gpt | ste 2:4 | 2.3100 ± 0.0141 | 2 |" in table
+    assert got[("SR-STE better than STE at 1:8", "mnist", "scratch")].startswith("holds (within seed noise)")
+    assert got[("S-STE's flip rate lower than STE's (2:4)", "gpt", "scratch")].startswith("holds")
+    table = report.markdown(rows)
+    assert "| gpt | scratch | ste 2:4 | 600 | 2.3100 ± 0.0141 | 2 |" in table
+
+
+def test_each_regime_gets_its_own_verdicts():
+    rows = [row("gpt", "step 2:4", s, 2.00 + s / 100, regime="finetune") for s in range(2)]
+    rows += [row("gpt", "sr_ste 2:4", s, 2.10 + s / 100, regime="finetune") for s in range(2)]
+    rows += [row("gpt", "dense", s, 1.90 + s / 100, regime="finetune") for s in range(2)]
+    rows += [row("gpt", "asp 2:4", s, 1.95 + s / 100, regime="finetune") for s in range(2)]
+    rows += [row("gpt", "step 2:4", s, 2.30, regime="long") for s in range(2)]
+    rows += [row("gpt", "sr_ste 2:4", s, 2.20, regime="long") for s in range(2)]
+    rows += [row("gpt", "transposable 2:4", s, 2.25, regime="long") for s in range(2)]
+    rows += [row("gpt", "step 2:4", s, 2.40) for s in range(2)] + [row("gpt", "sr_ste 2:4", s, 2.50) for s in range(2)]
+    got = verdicts(rows)
+    claim = "STEP better than SR-STE under Adam (2:4)"
+    assert got[(claim, "gpt", "finetune")].startswith("holds")
+    assert got[(claim, "gpt", "long")].startswith("does not hold")
+    assert got[(claim, "gpt", "scratch")].startswith("holds")
+    # asp 0.05 behind the dense control with a spread of 0.007: not a match
+    assert got[("ASP 2:4 fine-tuned matches dense", "gpt", "finetune")].startswith("does not hold")
+    assert got[("Transposable 2:4 within 0.1 of SR-STE 2:4", "gpt", "long")].startswith("holds: behind by +0.0500")
+    table = report.markdown(rows)
+    assert table.index("| gpt | scratch |") < table.index("| gpt | finetune |") < table.index("| gpt | long |")
+    assert "| finetune | 4 | 8 |" in report.cost(rows)
 
 
 def test_every_configuration_is_listed_once_with_dense_first():
     configs = quality.configs(["mnist"], [0], scale=0.1)
-    names = [c[1] for c in configs]
-    assert names[0] == "dense" and len(names) == len(set(names)) == 22
-    assert ("mnist", "transposable 4:8", "transposable:4:8", 0) in configs
-    mdgf = dict((c[1], c[2]) for c in configs)["mdgf 1:8"]
+    assert {c.regime for c in configs} == {"scratch"}  # finetune and long are GPT-only
+    names = [c.name for c in configs]
+    assert names[0] == "dense" and len(names) == len(set(names)) == 22 + 6
+    assert {n for n in names if n.endswith(("1:16", "1:32"))} == {
+        f"{r} {p}" for r in ("sr_ste", "mdgf", "sdgf") for p in ("1:16", "1:32")}
+    assert quality.Run("mnist", "scratch", "transposable 4:8", "transposable:4:8", 0, 60) in configs
+    mdgf = {c.name: c.spec for c in configs}["mdgf 1:8"]
     assert mdgf == "mdgf:1:8,decay_coef=0.1,finetune_fraction=0.2"  # sized to the 60-step run
+    gpt = quality.configs(["gpt"], [0])
+    finetune = [c.name for c in gpt if c.regime == "finetune"]
+    assert finetune == ["dense", "sr_ste 2:4", "s_ste 2:4", "step 2:4", "asp 2:4"]
+    long = [c for c in gpt if c.regime == "long"]
+    assert [c.name for c in long] == ["dense", "sr_ste 2:4", "s_ste 2:4", "step 2:4", "transposable 2:4"]
+    assert {c.steps for c in long} == {3000}
+
+
+def test_finetune_batches_come_from_a_fresh_stream():
+    import torch
+
+    data = (torch.randn(5000, 784), torch.randint(10, (5000,)))
+    first = quality.Task("mnist", 0, data).batches(0)[1]
+    assert torch.equal(first, quality.Task("mnist", 0, data).batches(0)[1])
+    assert not torch.equal(first, quality.Task("mnist", 0, data, stream=quality.FRESH_STREAM).batches(0)[1])
 
 
 def test_doc_rewrite_keeps_the_hand_written_notes(tmp_path):
     rows = [dict(row("mnist", "dense", 0, 0.95), eval=[(10, 0.9)], commit="abc")]
     doc = tmp_path / "docs" / "quality.md"
     doc.parent.mkdir()
-    quality.write_doc(rows, str(doc), str(tmp_path / "results.jsonl"))
-    assert quality.NOTES not in doc.read_text()
-    doc.write_text(doc.read_text() + f"\n{quality.NOTES}\n\nSTEP switched early.\n")
-    quality.write_doc(rows + [dict(row("mnist", "dense", 1, 0.97), eval=[(10, 0.9)], commit="abc")], str(doc),
-                      str(tmp_path / "results.jsonl"))
+    report.write_doc(rows, str(doc), str(tmp_path / "results.jsonl"), expected=2)
+    assert report.NOTES not in doc.read_text() and "partial: 1 of 2 runs" in doc.read_text()
+    doc.write_text(doc.read_text() + f"\n{report.NOTES}\n\nSTEP switched early.\n")
+    report.write_doc(rows + [dict(row("mnist", "dense", 1, 0.97), eval=[(10, 0.9)], commit="abc")], str(doc),
+                     str(tmp_path / "results.jsonl"), expected=2)
     text = doc.read_text()
-    assert text.count(quality.NOTES) == 1 and text.rstrip().endswith("STEP switched early.")
-    assert "| mnist | dense | 0.9600 ± 0.0141 | 2 |" in text  # the table is rewritten
+    assert text.count(report.NOTES) == 1 and text.rstrip().endswith("STEP switched early.")
+    assert "| mnist | scratch | dense | 600 | 0.9600 ± 0.0141 | 2 |" in text  # the table is rewritten
+    assert "(complete;" in text
