@@ -42,7 +42,7 @@ from nmcompile.app.datasets import CharCorpus, mnist_5k, shakespeare
 from nmcompile.app.progress import Progress
 from nmcompile.app.run import train_run
 
-from quality_report import REGIMES, load_results, markdown, plot_curves, regime_of, write_doc
+from quality_report import REGIMES, compare, load_results, markdown, plot_curves, regime_of, write_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "quality.jsonl")
@@ -186,11 +186,15 @@ def main() -> None:
     parser.add_argument("--steps-scale", type=float, default=1.0, help="scale every run's steps (quick checks)")
     parser.add_argument("--markdown", action="store_true", help="print the table and the claims, run nothing")
     parser.add_argument("--plots", help="write the mean curves as PNG files into this folder, run nothing")
+    parser.add_argument("--compare", help="print the runs this other results file shares with --results, side by side, run nothing")
     parser.add_argument("--doc", help="write the results page (table, claims, curves into docs/img) to this path, run nothing")
     args = parser.parse_args()
     rows = load_results(args.results)
     if args.doc:
         print(write_doc(rows, args.doc, args.results, expected=len(configs(["gpt", "mnist"], [0, 1, 2]))))
+        return
+    if args.compare:
+        print(compare(rows, load_results(args.compare)))
         return
     if args.markdown or args.plots:
         if args.plots:

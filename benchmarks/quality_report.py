@@ -173,6 +173,26 @@ def cost(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compare(rows: list[dict], other: list[dict]) -> str:
+    """The runs both files hold (same task, regime, name, seed) side by side: how far a rerun at
+    another commit lands from the recorded run, against the recorded row's seed spread."""
+    spread = {k: v["metric"][1] for k, v in summarize(rows).items()}
+    mine = {(r["task"], regime_of(r), r["name"], r["seed"]): r for r in rows}
+    lines = ["| task | regime | recipe | seed | recorded | rerun | difference | seed std of the row |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    worst = 0.0
+    for r in other:
+        key = (r["task"], regime_of(r), r["name"], r["seed"])
+        if key in mine:
+            a, b = mine[key], r
+            diff = b["final_eval"] - a["final_eval"]
+            worst = max(worst, abs(diff) / spread[key[:3]]) if spread[key[:3]] else worst
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {a['final_eval']:.4f} ({a.get('commit', '')}) "
+                         f"| {b['final_eval']:.4f} ({b.get('commit', '')}) | {diff:+.4f} | {spread[key[:3]]:.4f} |")
+    lines.append(f"\nLargest difference: {worst:.2f} seed standard deviations.")
+    return "\n".join(lines)
+
+
 def _group(name: str) -> str:
     """Which plot a row's curve goes on: its pattern (``transposable 4:8`` joins 2:4, 1:16 and 1:32 share one)."""
     pattern = name.split(" ")[-1] if " " in name else ""

@@ -107,3 +107,12 @@ def test_doc_rewrite_keeps_the_hand_written_notes(tmp_path):
     assert text.count(report.NOTES) == 1 and text.rstrip().endswith("STEP switched early.")
     assert "| mnist | scratch | dense | 600 | 0.9600 ± 0.0141 | 2 |" in text  # the table is rewritten
     assert "(complete;" in text
+
+
+def test_compare_puts_a_rerun_beside_the_recorded_run_in_seed_spreads():
+    rows = [dict(row("gpt", "dense", s, 2.00 + s / 50), commit="old") for s in range(2)]
+    rerun = [dict(row("gpt", "dense", 0, 2.007), commit="new"), dict(row("gpt", "ste 2:4", 0, 2.5), commit="new")]
+    text = report.compare(rows, rerun)
+    assert "| gpt | scratch | dense | 0 | 2.0000 (old) | 2.0070 (new) | +0.0070 | 0.0141 |" in text
+    assert "ste 2:4" not in text  # only runs both files hold
+    assert text.endswith("Largest difference: 0.49 seed standard deviations.")
