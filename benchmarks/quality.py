@@ -146,8 +146,9 @@ def _commit() -> str:
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "../nmcompile") else "")
 
 
-def dense_path(results_dir: str, task: str, seed: int) -> str:
-    return os.path.join(results_dir, f"dense-{task}-{seed}.pt")
+def dense_path(results_dir: str, task: str, seed: int, steps: int) -> str:
+    """Where the scratch dense run of ``steps`` steps keeps its weights (asp and finetune start there)."""
+    return os.path.join(results_dir, f"dense-{task}-{seed}-{steps}.pt")
 
 
 def run_one(task: Task, run: Run, results_dir: str, data) -> dict:
@@ -157,20 +158,26 @@ def run_one(task: Task, run: Run, results_dir: str, data) -> dict:
     steps = run.steps
     from_dense = run.regime == "finetune" or (run.spec or "").startswith("asp")
     if from_dense:
-        path = dense_path(results_dir, task.name, task.seed)
+        # finetune and asp start from the scratch dense run of as many steps as they take themselves
+        path = dense_path(results_dir, task.name, task.seed, run.steps)
         if not os.path.exists(path):  # its row is done but the weights are not kept in git: train them again
             print(f"{path} missing: training the scratch dense run again", file=sys.stderr)
-            scratch = Run(task.name, "scratch", "dense", None, task.seed, STEPS["scratch"])
+            scratch = Run(task.name, "scratch", "dense", None, task.seed, run.steps)
             run_one(Task(task.name, task.seed, data), scratch, results_dir, data)
         model.load_state_dict(torch.load(path, weights_only=True))
+        model.eval()
+        with torch.no_grad():
+            start_eval = float(task.evaluate(model))  # the row shows what it started from
         if run.regime == "scratch":
             steps = steps // 2  # asp in the scratch table: half as many steps as the runs from random init
     out = train_run(model, run.spec, task.batches, task.loss, task.evaluate, steps=steps,
                     lr=3e-3 if task.name == "gpt" else 1e-3, exclude=task.exclude, eval_every=max(steps // 6, 1),
                     label=f"{task.name} {run.regime} {run.name} s{task.seed}")
     if run.spec is None and run.regime == "scratch":
-        torch.save(model.state_dict(), dense_path(results_dir, task.name, task.seed))
+        torch.save(model.state_dict(), dense_path(results_dir, task.name, task.seed, run.steps))
     record = out["record"]
+    if from_dense:
+        record["start_eval"] = start_eval
     flips = [v for entry in record.get("diagnostics", {}).values() for v in entry.get("flip_rate", [])]
     record["mean_flip_rate"] = sum(flips) / len(flips) if flips else None
     return record
