@@ -16,7 +16,7 @@ import torch
 LOWER_IS_BETTER = {"gpt": True, "mnist": False}
 REGIMES = ("scratch", "finetune", "long")
 # the issue's yardstick for transposable masks: within 0.10 nats of SR-STE on the character GPT
-TRANSPOSABLE_GAP = {"gpt": 0.10}
+TRANSPOSABLE_GAP = {"gpt": 0.10}  # nats per character
 
 
 def regime_of(row: dict) -> str:
@@ -46,7 +46,7 @@ def summarize(rows: list[dict]) -> dict[tuple[str, str, str], dict]:
         out[key] = {"metric": _stats([r["final_eval"] for r in runs]), "n": len(runs),
                     "flip": sum(flips) / len(flips) if flips else None,
                     "seconds": sum(r["seconds"] for r in runs) / len(runs), "steps": runs[0]["steps_run"],
-                    "fastest": min(r["seconds"] for r in runs)}
+                    "fastest": min(r["seconds"] for r in runs), "by_seed": {r["seed"]: r["final_eval"] for r in runs}}
     return out
 
 
@@ -62,6 +62,14 @@ def _noise(ea, eb) -> str:
 
 def _seeds(*entries) -> str:
     return "" if min(e["n"] for e in entries) > 1 else " (1 seed, no spread yet)"
+
+
+def _paired(task: str, ea, eb) -> str:
+    """In how many of the seeds both rows ran the first one came out better (a seed shares the
+    initialisation, the batches and, for finetune, the dense start between rows)."""
+    seeds = sorted(set(ea["by_seed"]) & set(eb["by_seed"]))
+    wins = sum(_worse(task, ea["by_seed"][s], eb["by_seed"][s]) < 0 for s in seeds)
+    return f"; better in {wins} of {len(seeds)} seeds" if len(seeds) > 1 else ""
 
 
 def _worse(task: str, a: float, b: float) -> float:
@@ -98,11 +106,12 @@ def claims(summary: dict) -> list[tuple[str, str, str, str]]:
             ea, eb = get(a), get(b)
             if ea and eb:
                 verdict = "holds" if _worse(task, ea["metric"][0], eb["metric"][0]) < 0 else "does not hold"
-                add(claim, f"{verdict}{_noise(ea, eb)}{_seeds(ea, eb)}: {a} {_fmt(ea)} vs {b} {_fmt(eb)}")
+                add(claim, f"{verdict}{_noise(ea, eb)}{_seeds(ea, eb)}: {a} {_fmt(ea)} vs {b} {_fmt(eb)}"
+                    f"{_paired(task, ea, eb)}")
         ea, eb = get("transposable 2:4"), get("sr_ste 2:4")
         if ea and eb and task in TRANSPOSABLE_GAP:
             gap, limit = _worse(task, ea["metric"][0], eb["metric"][0]), TRANSPOSABLE_GAP[task]
-            add(f"Transposable 2:4 within {limit} of SR-STE 2:4", f"{'holds' if gap <= limit else 'does not hold'}"
+            add(f"Transposable 2:4 within {limit} nats of SR-STE 2:4", f"{'holds' if gap <= limit else 'does not hold'}"
                 f"{_seeds(ea, eb)}: behind by {gap:+.4f} ({_fmt(ea)} vs {_fmt(eb)})")
         dense = get("dense")
         # recipes trained on the same footing; asp (one-shot prune of the trained dense model) is separate
@@ -125,7 +134,7 @@ def claims(summary: dict) -> list[tuple[str, str, str, str]]:
             gap = _worse(task, asp["metric"][0], dense["metric"][0])
             verdict = "holds" if gap <= 0 or _noise(asp, dense) else "does not hold"
             add("ASP 2:4 fine-tuned matches dense", f"{verdict}{_noise(asp, dense)}{_seeds(asp, dense)}: "
-                f"behind the dense control by {gap:+.4f} ({_fmt(asp)} vs {_fmt(dense)})")
+                f"behind the dense control by {gap:+.4f} ({_fmt(asp)} vs {_fmt(dense)}){_paired(task, asp, dense)}")
         ea, eb = get("s_ste+mvue24 2:4"), get("s_ste 2:4")
         if ea and eb:
             # one-sided: MVUE may not be worse than the dense weight gradient by more than the seed noise
