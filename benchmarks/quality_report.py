@@ -155,7 +155,8 @@ def claims(summary: dict) -> list[tuple[str, str, str, str]]:
 
 def markdown(rows: list[dict]) -> str:
     summary = summarize(rows)
-    order = sorted(summary, key=lambda k: (k[0], REGIMES.index(k[1])))  # stable: keeps each cell's row order
+    # by task, regime and pattern (dense first); stable, so rows of one pattern keep the order they were run in
+    order = sorted(summary, key=lambda k: (k[0], REGIMES.index(k[1]), PATTERNS.index(_pattern(k[2]))))
     lines = ["| task | regime | recipe | steps | metric (mean ± std) | runs | mean flip rate | s/run (fastest seed) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for task, regime, name in order:
@@ -204,9 +205,16 @@ def compare(rows: list[dict], other: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PATTERNS = ("", "2:4", "4:8", "1:8", "1:16", "1:32")
+
+
+def _pattern(name: str) -> str:
+    return name.split(" ")[-1] if " " in name else ""
+
+
 def _group(name: str) -> str:
     """Which plot a row's curve goes on: its pattern (``transposable 4:8`` joins 2:4, 1:16 and 1:32 share one)."""
-    pattern = name.split(" ")[-1] if " " in name else ""
+    pattern = _pattern(name)
     return {"4:8": "2:4", "1:32": "1:16"}.get(pattern, pattern)
 
 
@@ -217,7 +225,8 @@ def plot_curves(rows: list[dict], out_dir: str) -> list[str]:
     from matplotlib.figure import Figure
 
     palette = colormaps["tab20"]
-    cells = sorted({(r["task"], regime_of(r), _group(r["name"])) for r in rows if r["name"] != "dense"})
+    cells = sorted({(r["task"], regime_of(r), _group(r["name"])) for r in rows if r["name"] != "dense"},
+                   key=lambda c: (c[0], REGIMES.index(c[1]), PATTERNS.index(c[2])))
     paths = []
     for task, regime, group in cells:
         fig = Figure(figsize=(7, 4), dpi=100)
