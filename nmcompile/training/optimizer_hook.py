@@ -279,7 +279,12 @@ def _mask_fn(per: _PerOptimizer, recipe):
     """``recipe.mask`` compiled (one fused pass over the weight instead of many eager ones)."""
     fn = per.mask_fns.get(recipe)
     if fn is None:
-        fn = per.mask_fns[recipe] = torch.compile(functools.partial(_mask_of, recipe), dynamic=False)
+        fn = functools.partial(_mask_of, recipe)
+        # a framed recipe reads its step clock as a Python int to pick the frame's pattern: compiled,
+        # that is a graph break (and a warning) on every diagnostics record; eager, it is one read
+        if not recipe.framed:
+            fn = torch.compile(fn, dynamic=False)
+        per.mask_fns[recipe] = fn
     return fn
 
 

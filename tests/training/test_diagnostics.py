@@ -1,5 +1,6 @@
 """Mask diagnostics recorded through hook_optimizer: flip rate, SAD, and the PNG plot."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,3 +51,17 @@ def test_plot_writes_a_png(tmp_path):
     path = nmcompile.training.plot_diagnostics(diag, tmp_path / "masks.png")
     data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.slow  # nine recipes compiled: about 40 s
+def test_recording_the_masks_takes_no_graph_break_for_any_recipe():
+    from torch._dynamo.utils import counters
+
+    specs = ["ste:2:4", "sr_ste:2:4", "s_ste:2:4", "step:2:4,total_steps=6,t_max=0.5", "mdgf:1:8,total_steps=6",
+             "sdgf:1:8,total_steps=6", "bi_mask:2:4", "transposable:2:4", "asp:2:4"]
+    for spec in specs:
+        torch._dynamo.reset()
+        counters.clear()
+        model, _ = run(spec, steps=6, optimizer=torch.optim.Adam)
+        assert nmcompile.diagnostics(model)["0.weight"]["flip_rate"].numel() == 5, spec
+        assert not counters["graph_break"], f"{spec}: {dict(counters['graph_break'])}"
