@@ -1,0 +1,76 @@
+// The 2:4 CPU GEMM, written once over a small set of vector operations ("Ops").
+//
+// Each ISA translation unit (sparse24_avx2.cpp, sparse24_avx512.cpp, sparse24_emulated.cpp) defines
+// its Ops and includes this header; everything here has internal linkage, so the instantiations of
+// one unit (compiled for its own target) never mix with another's. Layout: sparse24_args.h.
+//
+// A step covers Ops::WORDS words (16 positions each) of R rows and TT tokens: each row's kept values
+// are expanded once into dense vectors (zeros at the dropped positions) and multiplied with the TT
+// tokens' activations; the R rows share each activation load. Tokens are taken in panels whose
+// activations fit in L2, so each panel streams the weight once.
+//
+// Ops: WT/XT (weight/activation element), XV/WV/Acc (vectors), WORDS, R, TT, and
+//   zero(), load_x(const XT* at position 16w), expand(values of row r at word w, bits of row r at
+//   word w, words left), madd(acc, w, x), sum(acc). Word w + 1 of the same row is NM24_GROUP * 8
+//   values and NM24_GROUP bits further on.
+#pragma once
+#include <cstdint>
+
+#include "sparse24_args.h"
+
+namespace {
+
+template <class Ops, int R, int TT>
+inline void nm24_tile(const Nm24Args& a, int64_t row, int64_t t0) {
+  using W = typename Ops::WT;
+  using X = typename Ops::XT;
+  constexpr int G = NM24_GROUP;
+  typename Ops::Acc acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = Ops::zero();
+  const int64_t words = a.k / 16;
+  const X* x = static_cast<const X*>(a.x) + t0 * a.kp;
+  // the group that holds `row`, then the row's place in it
+  const int64_t group = row / G, within = row % G;
+  const W* v = static_cast<const W*>(a.values) + (group * words * G + within) * 8;
+  const uint16_t* b = a.bits + group * words * G + within;
+  for (int64_t w = 0; w < words; w += Ops::WORDS, v += Ops::WORDS * G * 8, b += Ops::WORDS * G) {
+    typename Ops::XV xv[TT];
+    for (int t = 0; t < TT; ++t) xv[t] = Ops::load_x(x + t * a.kp + w * 16);
+    for (int r = 0; r < R; ++r) {
+      typename Ops::WV wv = Ops::expand(v + r * 8, b + r, words - w);
+      for (int t = 0; t < TT; ++t) acc[r][t] = Ops::madd(acc[r][t], wv, xv[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (row + r >= a.n) break;  // the layout's padding rows
+    const float bias = a.bias ? a.bias[row + r] : 0.0f;
+    for (int t = 0; t < TT; ++t) a.out[(t0 + t) * a.n + row + r] = Ops::sum(acc[r][t]) + bias;
+  }
+}
+
+// tokens [t0, t1) of rows [row, row + R): full TT tiles, then the remaining count
+template <class Ops, int R, int TT>
+inline void nm24_tokens(const Nm24Args& a, int64_t row, int64_t t0, int64_t t1) {
+  int64_t t = t0;
+  for (; t + TT <= t1; t += TT) nm24_tile<Ops, R, TT>(a, row, t);
+  if constexpr (TT > 1) {
+    if (t < t1) nm24_tokens<Ops, R, TT - 1>(a, row, t, t1);
+  }
+}
+
+// rows [r0, r1) for every token: R rows at a time (R divides NM24_GROUP)
+template <class Ops>
+inline void nm24_rows(const Nm24Args& a, int64_t r0, int64_t r1) {
+  constexpr int R = Ops::R, TT = Ops::TT;
+  static_assert(NM24_GROUP % R == 0, "a tile's rows lie in one group");
+  const int64_t xbytes = a.kp * static_cast<int64_t>(sizeof(typename Ops::XT));
+  int64_t panel = (int64_t{128} * 1024) / (xbytes > 0 ? xbytes : 1);
+  panel = panel < TT ? TT : panel - panel % TT;
+  for (int64_t p0 = 0; p0 < a.tokens; p0 += panel) {
+    const int64_t p1 = p0 + panel < a.tokens ? p0 + panel : a.tokens;
+    for (int64_t row = r0; row < r1 && row < a.n; row += R) nm24_tokens<Ops, R, TT>(a, row, p0, p1);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,147 @@
+// nmsparse::cpu24_* ops: the 2:4 CPU linear, its ISA report and the dense unpacking of its layout.
+//
+//   cpu24_linear(x, values, bits, bias, weight, out_features, max_tokens, isa) = F.linear(x, W, bias),
+//     W the [out_features, K] 2:4 weight that values/bits hold (layout: sparse24_args.h). Calls with more than max_tokens rows
+//     (max_tokens >= 0) take the dense GEMM: on `weight` when it is given, else on W unpacked for the
+//     call. isa: "avx512_bf16", "avx512", "avx2", "emulated512", "emulated512_bf16".
+//   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
+//   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
+#include <cpuid.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "sparse24_args.h"
+
+namespace {
+
+int64_t isa_flags() {
+  int64_t flags = 0;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) flags |= 1;
+  if ((flags & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    flags |= 2;
+  if ((flags & 2) && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512bf16")) flags |= 4;
+  return flags;
+}
+
+struct Isa {
+  Nm24Rows rows;
+  int64_t needs;  // isa_flags() bits
+  bool bf16_pairs;
+};
+
+Isa isa_of(c10::string_view name) {
+  if (name == "avx2") return {nm24_rows_avx2, 1, false};
+  if (name == "avx512") return {nm24_rows_avx512, 2, false};
+  if (name == "avx512_bf16") return {nm24_rows_avx512_bf16, 4, true};
+  if (name == "emulated512") return {nm24_rows_emulated512, 0, false};
+  if (name == "emulated512_bf16") return {nm24_rows_emulated512_bf16, 0, true};
+  TORCH_CHECK(false, "nmsparse::cpu24_linear: unknown isa '", std::string(name),
+              "'; accepted: avx512_bf16, avx512, avx2, emulated512, emulated512_bf16");
+}
+
+int wdtype_of(at::ScalarType t) {
+  if (t == at::kFloat) return NM24_F32;
+  if (t == at::kBFloat16) return NM24_BF16;
+  TORCH_CHECK(t == at::kHalf, "nmsparse::cpu24_linear takes fp32, bf16 or fp16 weights, got ", t);
+  return NM24_F16;
+}
+
+void check_layout(const at::Tensor& values, const at::Tensor& bits, int64_t n) {
+  TORCH_CHECK(values.dim() == 4 && bits.dim() == 3 && values.size(2) == NM24_GROUP && values.size(3) == 8 &&
+                  bits.size(0) == values.size(0) && bits.size(1) == values.size(1) && bits.size(2) == NM24_GROUP,
+              "nmsparse::cpu24: expected the CPU layout values [groups, K/16, ", NM24_GROUP, ", 8] and bits [groups, "
+              "K/16, ", NM24_GROUP, "] (nmcompile.kernels.cpu24.cpu_layout), got ", values.sizes(), " and ", bits.sizes());
+  TORCH_CHECK(n > (values.size(0) - 1) * NM24_GROUP && n <= values.size(0) * NM24_GROUP,
+              "nmsparse::cpu24: out_features ", n, " does not fit ", values.size(0), " groups of ", NM24_GROUP, " rows");
+  TORCH_CHECK(bits.scalar_type() == at::kShort, "nmsparse::cpu24: bits must be int16, got ", bits.scalar_type());
+  TORCH_CHECK(values.device().is_cpu() && bits.device().is_cpu(), "nmsparse::cpu24 runs on CPU tensors");
+  TORCH_CHECK(values.is_contiguous() && bits.is_contiguous(), "nmsparse::cpu24: values and bits must be contiguous");
+}
+
+at::Tensor cpu24_unpack(const at::Tensor& values, const at::Tensor& bits, int64_t n) {
+  check_layout(values, bits, n);
+  const int64_t words = bits.size(1), k = words * 16;
+  auto dense = at::zeros({n, k}, values.options());
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "cpu24_unpack", [&] {
+    const scalar_t* v = values.data_ptr<scalar_t>();
+    scalar_t* d = dense.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t group = r / NM24_GROUP, within = r % NM24_GROUP;
+        for (int64_t w = 0; w < words; ++w) {
+          const int64_t at = (group * words + w) * NM24_GROUP + within;
+          const unsigned m = b[at];
+          const scalar_t* vw = v + at * 8;
+          for (int j = 0; j < 16; ++j)
+            if ((m >> j) & 1) d[r * k + w * 16 + j] = *vw++;
+        }
+      }
+    });
+  });
+  return dense;
+}
+
+at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& weight,
+                        int64_t n, int64_t max_tokens, c10::string_view isa_name) {
+  check_layout(values, bits, n);
+  const int64_t k = bits.size(1) * 16;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "nmsparse::cpu24_linear: input ", x.sizes(),
+              " does not match the weight's in_features ", k);
+  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nmsparse::cpu24_linear: input dtype ", x.scalar_type(),
+              " differs from the weight's ", values.scalar_type(), " (as for F.linear, cast one of them)");
+  const int64_t tokens = k ? x.numel() / k : 0;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  if (max_tokens >= 0 && tokens > max_tokens) {  // the measured range ends here: dense GEMM
+    const bool resident = weight.has_value() && weight->defined() && weight->numel() > 0;
+    return at::linear(x, resident ? *weight : cpu24_unpack(values, bits, n), bias);
+  }
+  const Isa isa = isa_of(isa_name);
+  TORCH_CHECK((isa_flags() & isa.needs) == isa.needs, "nmsparse::cpu24_linear: this CPU cannot run isa '",
+              std::string(isa_name), "' (cpu24_isa() = ", isa_flags(), ")");
+  TORCH_CHECK(!isa.bf16_pairs || values.scalar_type() == at::kBFloat16,
+              "nmsparse::cpu24_linear: isa '", std::string(isa_name), "' takes bf16 weights and inputs");
+  if (tokens == 0) return at::zeros(out_shape, x.options());
+  const int64_t kp = (k + 31) / 32 * 32;
+  auto xs = x.reshape({tokens, k}).to(isa.bf16_pairs ? at::kBFloat16 : at::kFloat);
+  if (kp != k) xs = at::constant_pad_nd(xs, {0, kp - k});
+  xs = xs.contiguous();
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "nmsparse::cpu24_linear: bias ", bias->sizes(),
+                " does not match out_features ", n);
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  auto out = at::empty({tokens, n}, x.options().dtype(at::kFloat));
+  Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), wdtype_of(values.scalar_type()),
+             reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
+             out.data_ptr<float>(), n};
+  // by groups of rows; a thread takes at least 8 groups (small layers stay on one thread)
+  at::parallel_for(0, values.size(0), 8, [&](int64_t g0, int64_t g1) {
+    isa.rows(a, g0 * NM24_GROUP, g1 * NM24_GROUP);
+  });
+  return out.to(x.scalar_type()).view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
+  m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
+  m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
+  m.def("cpu24_isa() -> int");
+}
+
+TORCH_LIBRARY_IMPL(nmsparse, CPU, m) {
+  m.impl("cpu24_linear", cpu24_linear);
+  m.impl("cpu24_unpack", cpu24_unpack);
+}
+
+TORCH_LIBRARY_IMPL(nmsparse, CompositeExplicitAutograd, m) { m.impl("cpu24_isa", isa_flags); }

@@ -1,0 +1,232 @@
+"""The 2:4 CPU kernel: a native library built at first use, its layout, and the ``nmsparse::cpu24_*`` ops.
+
+The C++ sources in ``cpu/`` are compiled by PyTorch's extension builder
+(:func:`torch.utils.cpp_extension.load`, with the C++ compiler Inductor already needs) the first
+time a process asks for them, into PyTorch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), so later processes only load the library. The ops it registers:
+
+- ``nmsparse::cpu24_linear(x, values, bits, bias, weight, max_tokens, isa)``: ``F.linear`` with a 2:4
+  weight held as ``values`` ``[N, K/2]`` (the weight's dtype) and ``bits`` ``[N, K/16]`` (int16, one
+  bit per kept position, :func:`cpu_layout`); calls with more than ``max_tokens`` rows
+  (``max_tokens >= 0``) take the dense GEMM, on ``weight`` when given, else on the weight unpacked
+  for the call. fp32 accumulation, any token count, any input strides, the bias fused;
+- ``nmsparse::cpu24_unpack(values, bits)``: the dense weight;
+- ``nmsparse::cpu24_isa()``: what this CPU runs (:data:`ISAS`).
+
+:func:`status` says whether the kernel can run here and, if not, why (not x86-64, no compiler, a
+failed build with the compiler's message); the deploy dispatch then keeps the dense kernel and
+reports that reason. Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["Status", "status", "isas", "best_isa", "cpu_layout", "packed_layout", "linear", "unpack", "ISAS", "DTYPES", "GROUP"]
+
+SOURCES = Path(__file__).with_name("cpu")
+#: ISA names the op takes, fastest first, with the cpu24_isa() bits each needs
+ISAS = {"avx512_bf16": 4, "avx512": 2, "avx2": 1}
+#: portable instantiations of the AVX-512 algorithm (for tests; any CPU)
+EMULATED = ("emulated512", "emulated512_bf16")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: at::parallel_for is OpenMP in the header: without -fopenmp the kernel would run on one thread
+FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+
+
+@dataclass(frozen=True)
+class Status:
+    available: bool
+    reason: str  # why not, or which ISAs the CPU runs
+    build_seconds: float = 0.0  # time spent building or loading in this process
+
+
+def _library_name() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    digest.update(f"{torch.__version__} {FLAGS}".encode())
+    return f"nmcompile_cpu24_{digest.hexdigest()[:12]}"
+
+
+@functools.lru_cache(maxsize=1)
+def status() -> Status:
+    """Build (first use on this machine) or load the native library, once per process."""
+    import time
+
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return Status(False, f"the 2:4 CPU kernel is x86-64 only (this CPU is {platform.machine() or 'unknown'})")
+    if os.name != "posix":
+        return Status(False, "the 2:4 CPU kernel is built with GCC on Linux only")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return Status(False, f"no C++ compiler ({compiler!r} is not on PATH; Inductor's CPU backend needs one too)")
+    start = time.perf_counter()
+    try:
+        _build()
+        _register_python_parts()
+    except Exception as err:  # a failed build is a named fallback, never an error
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        detail = " | ".join(line.strip() for line in lines if "error" in line.lower())[:600] or " ".join(lines)[:600]
+        return Status(False, f"building the 2:4 CPU kernel failed ({type(err).__name__}): {detail}")
+    seconds = time.perf_counter() - start
+    names = [name for name, needs in ISAS.items() if int(torch.ops.nmsparse.cpu24_isa()) & needs == needs]
+    if not names:
+        return Status(False, "this CPU has neither AVX2+FMA+F16C nor AVX-512", seconds)
+    return Status(True, f"CPU runs {', '.join(names)}", seconds)
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    sources = sorted(str(p) for p in SOURCES.glob("*.cpp"))
+    env_path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:  # the ninja wheel's binary, for this build only
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{env_path}"
+    try:
+        cpp_extension.load(
+            name=_library_name(), sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    finally:
+        os.environ["PATH"] = env_path
+
+
+def isas() -> tuple[str, ...]:
+    """The ISAs this CPU runs, fastest first (empty where the kernel is unavailable)."""
+    if not status().available:
+        return ()
+    flags = int(torch.ops.nmsparse.cpu24_isa())
+    return tuple(name for name, needs in ISAS.items() if flags & needs == needs)
+
+
+def best_isa(dtype: torch.dtype) -> str | None:
+    """The fastest ISA for ``dtype`` weights and inputs here (``avx512_bf16`` multiplies bf16 pairs)."""
+    for name in isas():
+        if name != "avx512_bf16" or dtype == torch.bfloat16:
+            return name
+    return None
+
+
+GROUP = 8  # rows per group of the CPU layout (NM24_GROUP in cpu/sparse24_args.h)
+
+
+def _word_bits(meta: Tensor) -> Tensor:
+    """Each 16-bit metadata word (four nibbles ``i0 | i1 << 2``) as the 16 position bits it encodes."""
+    words = meta.to(torch.int32) & 0xFFFF
+    shifts = torch.arange(4, dtype=torch.int32, device=meta.device) * 4
+    nibbles = (words[..., None] >> shifts) & 0xF
+    first, second = nibbles & 3, nibbles >> 2
+    if not bool((first < second).all()):
+        raise ValueError("cpu_layout: the metadata has groups whose two positions are not i0 < i1; pass what "
+                         "nmcompile.pack returned")
+    bits = (((1 << first) | (1 << second)) << shifts).sum(-1)
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16)
+
+
+def _word_meta(bits: Tensor) -> Tensor:
+    """The inverse of :func:`_word_bits`."""
+    words = bits.to(torch.int32) & 0xFFFF
+    shifts = torch.arange(4, dtype=torch.int32, device=bits.device) * 4
+    group = ((words[..., None] >> shifts) & 0xF).long()  # 4 position bits per group, two set
+    code = torch.zeros(16, dtype=torch.int32, device=bits.device)
+    for i in range(4):
+        for j in range(i + 1, 4):
+            code[(1 << i) | (1 << j)] = i | (j << 2)
+    words = (code[group] << shifts).sum(-1)
+    return torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
+
+
+def cpu_layout(values: Tensor, meta: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel's layout of a packed 2:4 weight (:func:`nmcompile.pack`'s ``values`` ``[N, K/2]``
+    and ``meta`` ``[N, K/16]``): rows in groups of :data:`GROUP` (``N`` padded with zero rows), per
+    group and 16-position word the rows side by side, so a kernel step reads one contiguous run:
+    ``values`` ``[groups, K/16, GROUP, 8]`` and ``bits`` ``[groups, K/16, GROUP]`` (int16, bit ``j``
+    set iff position ``16w + j`` is kept). The same bytes as the packed format, plus the padding."""
+    if meta.dtype != torch.int16 or values.dim() != 2 or tuple(meta.shape) != (values.shape[0], values.shape[1] // 8) \
+            or values.shape[1] % 8:
+        raise ValueError(f"cpu_layout takes nmcompile.pack's values [N, K/2] and int16 meta [N, K/16], got "
+                         f"{tuple(values.shape)} {values.dtype} and {tuple(meta.shape)} {meta.dtype}")
+    n, words = meta.shape
+    groups = -(-n // GROUP)
+    bits = _word_bits(meta)
+    pad = groups * GROUP - n
+    if pad:  # zero rows; their bits keep the first two positions of each group
+        values = torch.cat([values, values.new_zeros(pad, values.shape[1])])
+        bits = torch.cat([bits, bits.new_full((pad, words), 0x3333)])
+    values = values.reshape(groups, GROUP, words, 8).transpose(1, 2).contiguous()
+    bits = bits.reshape(groups, GROUP, words).transpose(1, 2).contiguous()
+    return values, bits
+
+
+def packed_layout(values: Tensor, bits: Tensor, out_features: int) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`cpu_layout`: ``(values, meta)`` in :func:`nmcompile.pack`'s format."""
+    groups, words = bits.shape[:2]
+    v = values.transpose(1, 2).reshape(groups * GROUP, words * 8)[:out_features]
+    b = bits.transpose(1, 2).reshape(groups * GROUP, words)[:out_features]
+    return v.contiguous(), _word_meta(b).contiguous()
+
+
+def _require() -> None:
+    state = status()
+    if not state.available:
+        raise RuntimeError(f"the 2:4 CPU kernel is not available here: {state.reason}")
+
+
+def linear(x: Tensor, values: Tensor, bits: Tensor, out_features: int, bias: Optional[Tensor] = None,
+           weight: Optional[Tensor] = None, max_tokens: int = -1, isa: str | None = None) -> Tensor:
+    """``F.linear(x, W, bias)`` on the kernel (``isa``: default the fastest for the dtype)."""
+    _require()
+    return torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, weight, out_features, max_tokens,
+                                           isa or best_isa(values.dtype))
+
+
+def unpack(values: Tensor, bits: Tensor, out_features: int) -> Tensor:
+    """The dense ``[out_features, K]`` weight that the CPU layout ``values``/``bits`` hold."""
+    _require()
+    return torch.ops.nmsparse.cpu24_unpack(values, bits, out_features)
+
+
+def _register_python_parts() -> None:
+    """Fake (shape) functions and the dense autograd of the C++ ops; called once after loading."""
+    lib = "nmsparse::cpu24_linear"
+
+    @torch.library.register_fake(lib)
+    def _(x, values, bits, bias, weight, out_features, max_tokens, isa):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("nmsparse::cpu24_unpack")
+    def _(values, bits, out_features):
+        return values.new_empty((out_features, bits.shape[1] * 16))
+
+    def setup(ctx, inputs, output):
+        x, values, bits, bias, weight, out_features = inputs[:6]
+        ctx.has_bias, ctx.out_features = bias is not None, out_features
+        ctx.save_for_backward(x, values, bits, weight)
+
+    def backward(ctx, grad):
+        x, values, bits, weight = ctx.saved_tensors
+        w = weight if weight is not None and weight.numel() else torch.ops.nmsparse.cpu24_unpack(values, bits, ctx.out_features)
+        dx = grad @ w if ctx.needs_input_grad[0] else None
+        dw = None
+        if weight is not None and ctx.needs_input_grad[4]:
+            dw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dx, None, None, db, dw, None, None, None
+
+    torch.library.register_autograd(lib, backward, setup_context=setup)

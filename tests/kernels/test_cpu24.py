@@ -1,0 +1,188 @@
+"""The 2:4 CPU kernel against the dense product of the unpacked weight: every ISA path, dtype, edge shape.
+
+The AVX-512 algorithm runs on any CPU through its emulated instantiation (the same kernel template
+over plain arrays); the AVX-512 intrinsics themselves run where the CPU has them.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import reference
+from nmcompile import pack
+from nmcompile.kernels import cpu24
+
+pytestmark = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (rtol, atol) against a float64 product of the same (rounded) operands: fp32 accumulation, then the
+# output rounded to the dtype
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2**-7, 2e-3), torch.float16: (2**-10, 2e-3)}
+
+
+def _paths(dtype):
+    """ISA paths for ``dtype``: those this CPU runs, plus the emulated AVX-512 ones (run everywhere)."""
+    here = [isa for isa in cpu24.isas() if isa != "avx512_bf16" or dtype == torch.bfloat16]
+    emulated = ["emulated512"] + (["emulated512_bf16"] if dtype == torch.bfloat16 else [])
+    return here + emulated
+
+
+#: (isa, dtype) pairs: the bf16-pair paths take bf16 only
+PATH_DTYPES = [
+    (isa, dtype) for isa in ("avx2", "avx512", "avx512_bf16", "emulated512", "emulated512_bf16") for dtype in DTYPES
+    if dtype == torch.bfloat16 or not isa.endswith("bf16")
+]
+
+
+def _skip_unless_runs(isa, dtype):
+    if not isa.startswith("emulated") and isa not in cpu24.isas():
+        pytest.skip(f"this CPU cannot run {isa} (it runs {', '.join(cpu24.isas())}); the emulated path tests its algorithm")
+
+
+def pruned(out_f, in_f, dtype):
+    w = torch.randn(out_f, in_f)
+    w = (w * reference.topn_mask(w, 2, 4, -1)).to(dtype)
+    w.view(-1)[:6] = 0  # groups with fewer than two non-zeros
+    return w
+
+
+def layout(w):
+    p = pack(w)
+    return cpu24.cpu_layout(p.values, p.meta)
+
+
+
+def check(y, x, w, bias):
+    rtol, atol = TOL[x.dtype]
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0])
+    torch.testing.assert_close(y.double(), F.linear(x.double(), w.double(), None if bias is None else bias.double()),
+                               rtol=rtol, atol=atol * w.shape[1] ** 0.5)
+
+
+@pytest.mark.parametrize("isa,dtype", PATH_DTYPES)
+@pytest.mark.parametrize("tokens", [0, 1, 3, 4, 5, 17, 255])
+def test_every_path_and_token_count_matches_the_dense_product(isa, dtype, tokens):
+    _skip_unless_runs(isa, dtype)
+    w, bias = pruned(40, 48, dtype), torch.randn(40).to(dtype)
+    values, bits = layout(w)
+    x = torch.randn(tokens, 48).to(dtype)
+    y = torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, None, 40, -1, isa)
+    check(y, x, w, bias)
+
+
+@pytest.mark.parametrize("isa,dtype", PATH_DTYPES)
+@pytest.mark.parametrize("out_f,in_f", [(1, 16), (7, 16), (7, 32), (1, 48), (16, 48), (9, 80), (33, 1040)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_shapes_at_the_alignment_edges(isa, dtype, out_f, in_f, with_bias):
+    _skip_unless_runs(isa, dtype)
+    w = pruned(out_f, in_f, dtype)
+    bias = torch.randn(out_f).to(dtype) if with_bias else None
+    values, bits = layout(w)
+    for tokens in (1, 6):
+        x = torch.randn(tokens, in_f).to(dtype)
+        check(torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, None, out_f, -1, isa), x, w, bias)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_and_two_threads_on_a_layer_large_enough_to_split(threads, dtype):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w, bias = pruned(520, 256, dtype), torch.randn(520).to(dtype)  # 65 groups of 8 rows
+        values, bits = layout(w)
+        for isa in _paths(dtype):
+            for tokens in (1, 9):
+                x = torch.randn(tokens, 256).to(dtype)
+                check(torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, None, 520, -1, isa), x, w, bias)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_3d_and_non_contiguous_inputs(dtype):
+    w, bias = pruned(24, 64, dtype), torch.randn(24).to(dtype)
+    values, bits = layout(w)
+    wide = torch.randn(2, 5, 128).to(dtype)
+    for x in (wide[..., :64], wide[..., ::2], wide.transpose(0, 1)[..., 64:], wide[:, :3, :64].contiguous()):
+        for isa in _paths(dtype):
+            check(torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, None, 24, -1, isa), x, w, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layout_round_trip_and_unpack_are_exact(dtype):
+    w = pruned(13, 96, dtype)
+    p = pack(w)
+    values, bits = cpu24.cpu_layout(p.values, p.meta)
+    assert values.shape == (2, 6, cpu24.GROUP, 8) and bits.shape == (2, 6, cpu24.GROUP)
+    assert values.numel() * values.element_size() + bits.numel() * 2 == pytest.approx(
+        p.nbytes * 16 / 13, rel=1e-9)  # the packed bytes plus 3 padding rows
+    back = cpu24.packed_layout(values, bits, 13)
+    assert torch.equal(back[0], p.values) and torch.equal(back[1], p.meta)
+    assert torch.equal(cpu24.unpack(values, bits, 13), w)
+
+
+def test_bits_encode_the_kept_positions_by_hand():
+    w = torch.zeros(1, 16)
+    w[0, [0, 1]], w[0, [4, 6]], w[0, [9, 10]], w[0, [14, 15]] = 1.0, 2.0, 3.0, 4.0
+    _, bits = layout(w)
+    word = 0b0011 | 0b0101 << 4 | 0b0110 << 8 | 0b1100 << 12
+    assert bits[0, 0, 0].item() == word - (1 << 16)  # int16
+    assert bits[0, 0, 1:].eq(0x3333).all()  # padding rows keep positions 0 and 1, with zero values
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_calls_above_max_tokens_take_the_dense_gemm(resident):
+    w, bias = pruned(16, 32, torch.float32), torch.randn(16)
+    values, bits = layout(w)
+    x = torch.randn(9, 32)
+    weight = w if resident else None
+    y = torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, weight, 16, 8, cpu24.best_isa(torch.float32))
+    assert torch.equal(y, F.linear(x, w, bias))  # the dense kernel itself, bit for bit
+    y_sparse = torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, weight, 16, 9, cpu24.best_isa(torch.float32))
+    check(y_sparse, x, w, bias)
+
+
+def test_gradients_are_the_dense_ones():
+    w, bias = pruned(16, 32, torch.float32), torch.randn(16, requires_grad=True)
+    values, bits = layout(w)
+    weight = w.clone().requires_grad_()
+    x = torch.randn(3, 32, requires_grad=True)
+    y = torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, weight, 16, -1, cpu24.best_isa(torch.float32))
+    y.square().sum().backward()
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
+    F.linear(x2, w2, b2).square().sum().backward()
+    for got, want in ((x.grad, x2.grad), (weight.grad, w2.grad), (bias.grad, b2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    w, bias = pruned(16, 32, dtype), torch.randn(16).to(dtype)
+    values, bits = layout(w)
+    x = torch.randn(2, 3, 32).to(dtype)
+    torch.library.opcheck(torch.ops.nmsparse.cpu24_linear.default,
+                          (x, values, bits, bias, None, 16, -1, cpu24.best_isa(dtype)))
+    torch.library.opcheck(torch.ops.nmsparse.cpu24_unpack.default, (values, bits, 16))
+
+
+def test_errors_name_the_problem():
+    w = pruned(16, 32, torch.float32)
+    values, bits = layout(w)
+    x = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="unknown isa 'sse9'"):
+        torch.ops.nmsparse.cpu24_linear(x, values, bits, None, None, 16, -1, "sse9")
+    with pytest.raises(RuntimeError, match="input dtype"):
+        torch.ops.nmsparse.cpu24_linear(x.double(), values, bits, None, None, 16, -1, "emulated512")
+    with pytest.raises(RuntimeError, match="in_features 32"):
+        torch.ops.nmsparse.cpu24_linear(torch.randn(2, 48), values, bits, None, None, 16, -1, "emulated512")
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.nmsparse.cpu24_linear(x, values, bits, None, None, 17, -1, "emulated512")
+    with pytest.raises(RuntimeError, match="takes bf16"):
+        torch.ops.nmsparse.cpu24_linear(x, values, bits, None, None, 16, -1, "emulated512_bf16")
+    with pytest.raises(ValueError, match="cpu_layout takes"):
+        cpu24.cpu_layout(values, bits)
+    missing = [isa for isa in cpu24.ISAS if isa not in cpu24.isas()]
+    if missing:
+        with pytest.raises(RuntimeError, match=f"cannot run isa '{missing[-1]}'"):
+            torch.ops.nmsparse.cpu24_linear(x, values, bits, None, None, 16, -1, missing[-1])
