@@ -34,7 +34,7 @@ from .reconcile import Holding, declare_plan, fresh_state_message, report, warn_
 __all__ = ["nmsparse_backend"]
 
 
-DEPLOY_KERNELS = ("auto", "dense", "cusparselt", "reference")
+DEPLOY_KERNELS = ("auto", "dense", "cusparselt", "cpu24", "reference")
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

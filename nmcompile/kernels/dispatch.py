@@ -1,11 +1,12 @@
 """Which kernel each finalized linear layer gets, and why: the deploy pass's per-layer decision.
 
-:func:`qualify` applies the rules that need no GPU (device, cuSPARSELt in the build, dtype, shape,
-the weight really being 2:4); :func:`measure` then times the dense and the sparse GEMM on the
-layer's real shapes and keeps the sparse kernel only where it measured faster, also finding the
-smallest token count from which it is (``min_tokens``; smaller calls, such as decoding one token,
-take the dense GEMM at run time). The decision is recorded on the parameter
-(:func:`nmcompile.deploy_report` reads it).
+:func:`qualify` applies the rules that need no timing (device, the kernel in the build or on this
+CPU, dtype, shape, the weight really being 2:4); the rewrite pass then times the dense and the
+sparse GEMM on the layer's real shape and keeps the sparse kernel only over the token counts where
+it measured faster: on CUDA (:func:`measure`, cuSPARSELt) from ``min_tokens`` up (decoding one
+token takes the dense GEMM), on a CPU (:func:`nmcompile.kernels.cpu_dispatch.measure_cpu`, the
+``cpu24`` kernel, memory-bound decoding) up to ``max_tokens`` (prefill and batches take the dense
+GEMM). The decision is recorded on the parameter (:func:`nmcompile.deploy_report` reads it).
 
 The rules that need neither weights nor timing (:func:`kernel_unavailable`) and the CUDA timer
 (:func:`time_cuda`) are shared with the training decisions of :mod:`.train_dispatch`.
@@ -31,26 +32,43 @@ CUSPARSELT_DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Decision:
-    kernel: str  # "cusparselt", "reference" or "dense"
+    kernel: str  # "cusparselt", "cpu24", "reference" or "dense"
     reason: str
     alg_id: int = 0
     min_tokens: int = 0  # calls with fewer rows than this take the dense GEMM
-    speedup: float | None = None  # measured dense time / sparse time at the compiled shape
+    speedup: float | None = None  # measured dense time / sparse time (CUDA: at the compiled shape; CPU: 1 token)
+    max_tokens: int = -1  # calls with more rows than this take the dense GEMM (-1: none)
+    isa: str = ""  # cpu24: the instruction set it runs
+    ratios: tuple = ()  # cpu24: ((tokens, dense time / sparse time), ...) as measured
 
     @property
     def sparse(self) -> bool:
         return self.kernel != "dense"
 
+    @property
+    def token_range(self) -> str:
+        """The token counts that take the sparse kernel, in words."""
+        if not self.sparse:
+            return "none"
+        low = max(self.min_tokens, 1)
+        return f"{low} and up" if self.max_tokens < 0 else f"{low} to {self.max_tokens}"
+
     def __str__(self) -> str:
+        if self.ratios:  # the CPU kernel's ladder: the range, then each rung's ratio
+            measured = " ".join(f"{t}:{r:.2f}x" for t, r in self.ratios)
+            tokens = f"; sparse for {self.token_range} tokens, dense above" if self.sparse else ""
+            return f"{self.kernel}{f' ({self.isa})' if self.isa else ''}: {self.reason}{tokens}; dense/sparse time by tokens {measured}"
         speed = f", {self.speedup:.2f}x measured" if self.speedup else ""
+        isa = f" ({self.isa})" if self.isa else ""
         tokens = f", dense below {self.min_tokens} tokens" if self.min_tokens else ""
-        return f"{self.kernel}: {self.reason}{speed}{tokens}"
+        return f"{self.kernel}{isa}: {self.reason}{speed}{tokens}"
 
 
 def qualify(
     weight: torch.Tensor, requested: str, *, device_type: str | None = None, cusparselt_available: bool | None = None
 ) -> Decision:
-    """The decision before any timing. ``requested``: ``auto``, ``dense``, ``cusparselt`` or ``reference``.
+    """The decision before any timing. ``requested``: ``auto``, ``dense``, ``cusparselt``, ``cpu24`` or
+    ``reference``.
 
     ``device_type`` and ``cusparselt_available`` default to the weight's device and the running
     build; tests pass them to check the CUDA rules on a CPU weight.
@@ -62,6 +80,10 @@ def qualify(
     bad, total = masks.count_violations(weight, 2, 4, 1)
     if bad:
         return Decision("dense", f"{bad}/{total} groups of 4 along 'in' keep more than 2: the weight is not 2:4")
+    if device_type == "cpu" and requested in ("auto", "cpu24"):
+        return _qualify_cpu(weight, requested)
+    if requested == "cpu24":
+        raise ValueError(f"deploy_kernel='cpu24' cannot be used: it is the CPU kernel and this weight is on {device_type}")
     if out_f % 16 or in_f % 16:
         return Decision("dense", f"shape [{out_f}, {in_f}] is not a multiple of 16 in both dims (2:4 kernel minimum)")
     if requested == "reference":
@@ -105,9 +127,25 @@ def kernel_unavailable(
     return None
 
 
+def _qualify_cpu(weight: torch.Tensor, requested: str) -> Decision:
+    from . import cpu24
+
+    if weight.dtype not in cpu24.DTYPES:
+        return _refuse(requested, f"{weight.dtype} has no 2:4 CPU kernel (it takes fp32, bf16 and fp16)")
+    if weight.shape[1] % 16:
+        return _refuse(requested, f"in_features {weight.shape[1]} is not a multiple of 16 (the packed 2:4 layout's word)")
+    state = cpu24.status()
+    if not state.available:
+        return _refuse(requested, state.reason)
+    isa = cpu24.best_isa(weight.dtype)
+    if requested == "cpu24":
+        return Decision("cpu24", "deploy_kernel='cpu24': every token count, not timed", isa=isa)
+    return Decision("cpu24", "2:4 weight, timed against dense on this CPU", isa=isa)
+
+
 def _refuse(requested: str, why: str) -> Decision:
-    if requested == "cusparselt":
-        raise ValueError(f"deploy_kernel='cusparselt' cannot be used: {why}")
+    if requested in ("cusparselt", "cpu24"):
+        raise ValueError(f"deploy_kernel={requested!r} cannot be used: {why}")
     return Decision("dense", why)
 
 

@@ -34,7 +34,7 @@ from .packed import Packed24, pack, unpack
 
 __all__ = ["sparse_linear", "compress", "CacheKeyPass", "KERNELS"]
 
-KERNELS = ("cusparselt", "reference")
+KERNELS = ("cusparselt", "cpu24", "reference")
 
 
 def _sparse_linear(
@@ -79,7 +79,8 @@ sparse_linear.register_autograd(_backward, setup_context=_setup)
 
 
 def compress(weight: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
-    """``(values, meta)`` of a 2:4 weight for ``kernel``: cuSPARSELt's one buffer, or the packed format."""
+    """``(values, meta)`` of a 2:4 weight for ``kernel``: cuSPARSELt's one buffer, the CPU kernel's
+    layout (:func:`nmcompile.kernels.cpu24.cpu_layout`: values and position bits), or the packed format."""
     with torch.no_grad():
         w = weight.detach().contiguous()
         if kernel == "cusparselt":
@@ -89,8 +90,12 @@ def compress(weight: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
             if bad:
                 raise ValueError(f"cannot compress a {tuple(w.shape)} weight for cuSPARSELt: {bad}/{total} groups are not 2:4")
             return torch._cslt_compress(w), w.new_empty(0, dtype=torch.int16)
-        if kernel == "reference":
+        if kernel in ("reference", "cpu24"):
             packed = pack(w)
+            if kernel == "cpu24":
+                from . import cpu24
+
+                return cpu24.cpu_layout(packed.values, packed.meta)
             return packed.values, packed.meta
     raise ValueError(f"unknown 2:4 kernel {kernel!r}; accepted: {', '.join(KERNELS)}")
 

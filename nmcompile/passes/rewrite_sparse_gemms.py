@@ -1,11 +1,17 @@
-"""Rewrite each finalized 2:4 linear to ``nmsparse::sparse_linear`` with its weight compressed once.
+"""Rewrite each finalized 2:4 linear to a 2:4 kernel with its weight compressed once.
 
 For every deployed weight whose decision is a sparse kernel (``[in, out]`` weights as ``W.t()``),
-adds two placeholders (the
-compressed values and metadata; the backend passes them on every call, compressed when the graph
-is compiled and again only if the weight changes) and replaces each ``F.linear(x, W, b)`` with
-``nmsparse::sparse_linear(x, W, values, meta, b, kernel, alg_id, min_tokens)``. On CUDA the
-decision is first confirmed by timing (:func:`nmcompile.kernels.dispatch.measure`).
+adds two placeholders (the compressed values and metadata; the backend passes them on every call,
+compressed when the graph is compiled and again only if the weight changes) and replaces each
+``F.linear(x, W, b)`` with
+
+- ``nmsparse::cpu24_linear(x, values, bits, b, W, out_features, max_tokens, isa)`` for the CPU
+  kernel (a C++ op Inductor calls as an extern kernel; calls above ``max_tokens`` rows take the
+  dense GEMM on ``W`` inside it);
+- ``nmsparse::sparse_linear(x, W, values, meta, b, kernel, alg_id, min_tokens)`` otherwise.
+
+The decision is first confirmed by timing on the layer's shape: CUDA
+(:func:`nmcompile.kernels.dispatch.measure`), CPU (:func:`nmcompile.kernels.cpu_dispatch.measure_cpu`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ..kernels.cpu_dispatch import measure_cpu
 from ..kernels.dispatch import measure
 from ..kernels.inductor import compress
 from . import _graph
@@ -42,10 +49,13 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
         weight = target.param.detach().t() if target.transposed else target.param.detach()  # [out, in]
         values, meta = compress(weight, decision.kernel)
         operands = [_graph.gemm_operands(use, target.node) for use in target.uses]
-        if decision.kernel == "cusparselt":
+        if decision.kernel in ("cusparselt", "cpu24"):
             tokens = {_tokens(o["x"]) for o in operands}
-            decision = measure(decision, weight, target.bias, values, tokens.pop() if len(tokens) == 1 else None,
-                               weight.shape[1])
+            static = tokens.pop() if len(tokens) == 1 else None
+            if decision.kernel == "cpu24":
+                decision = measure_cpu(decision, weight, target.bias, static)
+            else:
+                decision = measure(decision, weight, target.bias, values, static, weight.shape[1])
             ctx.deployed[i] = type(target)(**{**target.__dict__, "decision": decision})
             if not decision.sparse:
                 continue
@@ -62,8 +72,13 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
                 w_node = graph.call_function(torch.t, (target.node,))
             w_node.meta["example_value"] = target.node.meta["example_value"].t()
         for use, o in zip(target.uses, operands):
-            args = (o["x"], w_node, *inputs, o["bias"], decision.kernel, decision.alg_id, decision.min_tokens)
-            _graph.replace_call(use, torch.ops.nmsparse.sparse_linear.default, args)
+            if decision.kernel == "cpu24":
+                op = torch.ops.nmsparse.cpu24_linear.default
+                args = (o["x"], *inputs, o["bias"], w_node, weight.shape[0], decision.max_tokens, decision.isa)
+            else:
+                op = torch.ops.nmsparse.sparse_linear.default
+                args = (o["x"], w_node, *inputs, o["bias"], decision.kernel, decision.alg_id, decision.min_tokens)
+            _graph.replace_call(use, op, args)
             rewritten += 1
     graph.lint()
     gm.recompile()

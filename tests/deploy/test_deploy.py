@@ -10,6 +10,7 @@ from torch import nn
 
 import nmcompile
 from nmcompile.backends.deploy_runner import DeployRunner
+from nmcompile.kernels import cpu24
 from nmcompile.kernels.dispatch import qualify
 from nmcompile.kernels.inductor import CacheKeyPass, with_cache_key
 from nmcompile.backends.nmsparse import nmsparse_backend
@@ -45,15 +46,20 @@ def sparse_calls(runner) -> list:
     return [n for n in graph_module.graph.nodes if n.target is SPARSE_OP]
 
 
-def test_cpu_auto_keeps_dense_and_reports_why_per_layer():
+def test_cpu_auto_times_each_layer_and_reports_why():
     model = finalized_mlp()
     x = torch.randn(8, 64)
     with torch.no_grad():
         out = torch.compile(model, backend="nmsparse")(x)
         torch.testing.assert_close(out, model(x))
     report = nmcompile.deploy_report(model)
-    assert report["0.weight"].kernel == "dense" and "no 2:4 kernel on cpu" in report["0.weight"].reason
-    assert report["4.weight"].kernel == "dense" and "[10, 32] is not a multiple of 16" in report["4.weight"].reason
+    for name in ("0.weight", "2.weight", "4.weight"):  # [10, 32] too: the CPU kernel takes any out_features
+        decision = report[name]
+        if cpu24.status().available:
+            assert decision.kernel in ("cpu24", "dense") and decision.ratios[0][0] == 8, decision  # timed at 8 tokens
+            assert "measured" in str(decision) or "dense/sparse time" in str(decision)
+        else:
+            assert decision.kernel == "dense" and decision.reason == cpu24.status().reason
     assert nmcompile.deploy_report(finalized_mlp()) == {n: "not compiled yet" for n in ("0.weight", "2.weight", "4.weight")}
 
 
@@ -116,7 +122,7 @@ def test_eval_mode_with_gradients_still_differentiates():
     "weight,kw,kernel,reason",
     [
         (torch.ones(32, 32), {}, "dense", "not 2:4"),
-        ("24", {"device_type": "cpu"}, "dense", "no 2:4 kernel on cpu"),
+        ("24", {"device_type": "mps"}, "dense", "no 2:4 kernel on mps"),
         ("24", {"device_type": "cuda", "cusparselt_available": False}, "dense", "no cuSPARSELt"),
         ("24", {"device_type": "cuda", "cusparselt_available": True}, "dense", "cast the model to fp16 or bf16"),
         ("24h", {"device_type": "cuda", "cusparselt_available": True}, "cusparselt", "qualifies"),
@@ -136,6 +142,9 @@ def test_forcing_cusparselt_where_it_cannot_run_is_an_error():
     model = finalized_mlp()
     with pytest.raises(Exception, match="deploy_kernel='cusparselt' cannot be used: no 2:4 kernel on cpu"):
         torch.compile(model, backend="nmsparse", options={"deploy_kernel": "cusparselt"})(torch.randn(2, 64))
+    torch.compiler.reset()
+    with pytest.raises(Exception, match="deploy_kernel='cpu24' cannot be used: it is the CPU kernel"):
+        qualify(nmcompile.masks.prune(torch.randn(32, 64), 2, 4, 1), "cpu24", device_type="cuda")
     with pytest.raises(Exception, match="deploy_kernel='fast' is not one of"):
         torch.compile(model, backend="nmsparse", options={"deploy_kernel": "fast"})(torch.randn(2, 64))
 

@@ -1,0 +1,91 @@
+"""The CPU half of the deploy decision: time the 2:4 CPU kernel against dense on the layer's shape.
+
+On a CPU the 2:4 kernel wins where the GEMM is memory-bound (few tokens: decoding streams every
+weight once per token, and the packed weight is about half the bytes) and loses where it is
+compute-bound (prefill, batches: the dense GEMM's blocking is better and the sparse one does the
+same products plus the expansion). :func:`measure_cpu` times both, interleaved, on a ladder of
+token counts (or the graph's static count) and keeps the sparse kernel up to the largest count
+below which it was faster at every rung (``max_tokens``); larger calls take the dense GEMM inside
+the same op. Measurements are made on random weights of the layer's shape and dtype, once per
+shape, thread count and ISA in a process.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu24
+from .dispatch import MARGIN, Decision
+
+__all__ = ["measure_cpu", "CPU_LADDER", "time_pair"]
+
+#: token counts tried when the graph's token count is dynamic
+CPU_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: seconds spent timing one rung (both kernels)
+RUNG_BUDGET = 0.08
+
+
+def time_pair(first, second, budget: float = RUNG_BUDGET) -> tuple[float, float]:
+    """Median seconds of ``first()`` and ``second()``, called alternately (so both see the same machine)."""
+    for fn in (first, second):
+        fn()
+    start = time.perf_counter()
+    first()
+    second()
+    once = time.perf_counter() - start
+    reps = max(5, min(31, int(budget / max(once, 1e-6))))
+    a, b = [], []
+    for _ in range(reps):
+        for fn, out in ((first, a), (second, b)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b)
+
+
+@functools.lru_cache(maxsize=64)
+def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, threads: int,
+            ladder: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
+    """``((tokens, dense / sparse time), ...)`` up to the first rung where sparse was not faster."""
+    from .. import masks
+    from .packed import pack
+
+    generator = torch.Generator().manual_seed(0)
+    w = masks.prune(torch.randn(out_f, in_f, generator=generator), 2, 4, 1).to(dtype)
+    b = torch.randn(out_f, generator=generator).to(dtype) if bias else None
+    packed = pack(w)
+    values, bits = cpu24.cpu_layout(packed.values, packed.meta)
+    ratios = []
+    with torch.no_grad():
+        for tokens in ladder:
+            x = torch.randn(tokens, in_f, generator=generator).to(dtype)
+            dense, sparse = time_pair(
+                lambda: F.linear(x, w, b),
+                lambda: torch.ops.nmsparse.cpu24_linear(x, values, bits, b, None, out_f, -1, isa),
+            )
+            ratios.append((tokens, dense / sparse))
+            if dense <= MARGIN * sparse:
+                break
+    return tuple(ratios)
+
+
+def measure_cpu(decision: Decision, weight: torch.Tensor, bias, tokens: int | None) -> Decision:
+    """Time dense vs ``cpu24`` for this layer and keep the sparse kernel over the token counts
+    where it was faster. ``tokens``: the graph's static token count, or None (dynamic)."""
+    if decision.kernel != "cpu24" or decision.reason.startswith("deploy_kernel='cpu24'"):
+        return decision  # forced: every token count, not timed
+    ladder = CPU_LADDER if tokens is None else (max(tokens, 1),)
+    out_f, in_f = weight.shape
+    ratios = _ratios(out_f, in_f, weight.dtype, bias is not None, decision.isa, torch.get_num_threads(), ladder)
+    faster = [count for count, ratio in ratios if ratio > MARGIN]
+    if not faster or faster[0] != ladder[0]:
+        count, ratio = ratios[0]
+        return Decision("dense", f"the 2:4 CPU kernel ({decision.isa}) measured {ratio:.2f}x of dense at {count} "
+                        "tokens", speedup=ratio, ratios=ratios)
+    return replace(decision, max_tokens=faster[-1], speedup=ratios[0][1], ratios=ratios)

@@ -1,0 +1,144 @@
+"""The CPU deploy path: the 2:4 CPU kernel chosen per layer by timing, its token range, its fallbacks.
+
+Timings never decide a test: the range logic is checked with given ratios, and the compiled graph's
+routing with forced and patched decisions. The measured numbers live in benchmarks/cpu_deploy.py.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import nmcompile
+from nmcompile.backends.nmsparse import nmsparse_backend
+from nmcompile.kernels import cpu24, cpu_dispatch
+from nmcompile.kernels.dispatch import Decision, qualify
+
+needs_kernel = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
+CPU_OP = torch.ops.nmsparse.cpu24_linear.default if cpu24.status().available else None
+
+
+def finalized(dtype=torch.float32, widths=(64, 128, 32)):
+    torch.manual_seed(0)
+    layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())][:-1])
+    nmcompile.annotate(model, "sr_ste:2:4")
+    nmcompile.finalize(model)
+    return model.to(dtype).eval()
+
+
+def spy(model, **options):
+    """``torch.compile`` through the nmsparse backend (inner="eager"), keeping the rewritten graphs."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        runner = nmsparse_backend(gm, example_inputs, options={"inner": "eager", **options})
+        graphs.append(runner.compiled.__self__)
+        return runner
+
+    return torch.compile(model, backend=backend, dynamic=options.pop("dynamic", None)), graphs
+
+
+def cpu_calls(graphs):
+    return [n for gm in graphs for n in gm.graph.nodes if n.target is CPU_OP]
+
+
+def rewritten_calls(model, x, **options):
+    compiled, graphs = spy(model, **options)
+    with torch.no_grad():
+        out = compiled(x)
+    return out, cpu_calls(graphs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forced_cpu24_rewrites_every_linear_and_keeps_the_function(dtype):
+    model = finalized(dtype)
+    x = torch.randn(5, 3, 64).to(dtype)
+    out, calls = rewritten_calls(model, x, deploy_kernel="cpu24")
+    assert len(calls) == 2 and all(c.args[6] == -1 and c.args[7] == cpu24.best_isa(dtype) for c in calls)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=tol, atol=tol)
+    report = nmcompile.deploy_report(model)
+    assert all(d.kernel == "cpu24" and d.token_range == "1 and up" for d in report.values()), report
+
+
+@needs_kernel
+def test_inductor_calls_the_kernel_as_an_extern_op():
+    model = finalized()
+    compiled = torch.compile(model, backend="nmsparse", options={"deploy_kernel": "cpu24"})
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        compiled(x)
+        with torch.profiler.profile() as prof:
+            out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+    assert sum(e.key == "nmsparse::cpu24_linear" for e in prof.key_averages()) == 1
+
+
+def _patched_ratios(monkeypatch, ratios):
+    def fake(out_f, in_f, dtype, bias, isa, threads, ladder):
+        kept = []
+        for count in ladder:
+            ratio = ratios.get(count, 0.5)
+            kept.append((count, ratio))
+            if ratio <= cpu_dispatch.MARGIN:
+                break
+        return tuple(kept)
+
+    monkeypatch.setattr(cpu_dispatch, "_ratios", fake)
+
+
+@needs_kernel
+def test_the_sparse_range_ends_below_the_first_rung_that_was_not_faster(monkeypatch):
+    _patched_ratios(monkeypatch, {1: 2.4, 2: 2.2, 4: 1.9, 8: 1.01, 16: 1.5})
+    w = nmcompile.masks.prune(torch.randn(32, 64), 2, 4, 1)
+    decision = cpu_dispatch.measure_cpu(qualify(w, "auto"), w, None, None)
+    assert decision.kernel == "cpu24" and decision.max_tokens == 4 and decision.speedup == 2.4
+    assert [t for t, _ in decision.ratios] == [1, 2, 4, 8]  # the ladder stops at the first loss
+    assert "sparse for 1 to 4 tokens, dense above" in str(decision)
+    _patched_ratios(monkeypatch, {1: 0.9})
+    slow = cpu_dispatch.measure_cpu(qualify(w, "auto"), w, None, None)
+    assert slow.kernel == "dense" and "measured 0.90x of dense at 1 tokens" in slow.reason
+    _patched_ratios(monkeypatch, {64: 1.3})
+    static = cpu_dispatch.measure_cpu(qualify(w, "auto"), w, None, 64)
+    assert static.kernel == "cpu24" and static.max_tokens == 64 and static.ratios == ((64, 1.3),)
+
+
+@needs_kernel
+def test_dynamic_token_counts_above_the_range_take_dense_inside_the_op(monkeypatch):
+    _patched_ratios(monkeypatch, {1: 3.0, 2: 3.0, 4: 2.0})
+    model = finalized()
+    compiled, graphs = spy(model, dynamic=True)
+    with torch.no_grad():
+        for tokens in (3, 4, 5, 40):
+            x = torch.randn(tokens, 64)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    calls = cpu_calls(graphs)
+    assert calls and all(c.args[6] == 4 for c in calls)
+    assert all(d.token_range == "1 to 4" for d in nmcompile.deploy_report(model).values())
+
+
+def test_qualify_rules_on_cpu(monkeypatch):
+    w = nmcompile.masks.prune(torch.randn(32, 64), 2, 4, 1)
+    assert "float64 has no 2:4 CPU kernel" in qualify(w.double(), "auto").reason
+    odd = nmcompile.masks.prune(torch.randn(32, 40), 2, 4, 1)
+    assert qualify(odd, "auto").kernel == "dense" and "in_features 40 is not a multiple of 16" in qualify(odd, "auto").reason
+    with pytest.raises(ValueError, match="deploy_kernel='cpu24' cannot be used: in_features 40"):
+        qualify(odd, "cpu24")
+    broken = cpu24.Status(False, "building the 2:4 CPU kernel failed (RuntimeError): error: no such intrinsic")
+    monkeypatch.setattr(cpu24, "status", lambda: broken)
+    decision = qualify(w, "auto")
+    assert decision.kernel == "dense" and decision.reason == broken.reason  # the compiler's message, named
+    with pytest.raises(ValueError, match="deploy_kernel='cpu24' cannot be used: building the 2:4 CPU kernel failed"):
+        qualify(w, "cpu24")
+
+
+def test_a_cpu_without_the_kernel_deploys_dense_with_the_reason(monkeypatch):
+    arm = cpu24.Status(False, "the 2:4 CPU kernel is x86-64 only (this CPU is aarch64)")
+    monkeypatch.setattr(cpu24, "status", lambda: arm)
+    model = finalized()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="nmsparse")(x), model(x))
+    assert all(d == Decision("dense", arm.reason) for d in nmcompile.deploy_report(model).values())
