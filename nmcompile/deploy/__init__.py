@@ -8,9 +8,11 @@ the kernels of :mod:`nmcompile.kernels`. ONNX and TensorRT load only when an exp
 from ..kernels.packed import Packed24, pack, pack_state_dict, unpack, unpack_state_dict
 from .finalize import FinalizeReport, deploy_report, finalize
 from .inspection import CheckReport, check, effective_weights
+from .packed_weights import PackedLinearWeight, load_packed, pack_weights, unpack_weights
 
 __all__ = ["finalize", "FinalizeReport", "deploy_report", "check", "CheckReport", "effective_weights",
-           "pack", "unpack", "pack_state_dict", "unpack_state_dict", "Packed24", "export_onnx"]
+           "pack", "unpack", "pack_state_dict", "unpack_state_dict", "Packed24", "export_onnx",
+           "pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight"]
 
 
 def export_onnx(model, args, path, **kwargs):

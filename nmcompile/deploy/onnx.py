@@ -115,6 +115,15 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
     from onnx import numpy_helper
 
     finalized = _finalized(model)
+    from .packed_weights import packed_names
+
+    packed = packed_names(model)
+    if packed:
+        raise ValueError(
+            f"export_onnx: {', '.join(packed[:3])}{' ...' if len(packed) > 3 else ''} are held packed only "
+            "(nmcompile.deploy.pack_weights / load_packed) and ONNX has no 2:4 CPU kernel to run them; call "
+            "nmcompile.deploy.unpack_weights(model) first: the file then stores them dense, verified 2:4"
+        )
     args = _tensors(args)
     model.eval()
     with torch.no_grad():

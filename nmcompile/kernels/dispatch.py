@@ -48,7 +48,7 @@ class Decision:
     @property
     def token_range(self) -> str:
         """The token counts that take the sparse kernel, in words."""
-        if not self.sparse:
+        if not self.sparse or self.max_tokens == 0:
             return "none"
         low = max(self.min_tokens, 1)
         return f"{low} and up" if self.max_tokens < 0 else f"{low} to {self.max_tokens}"
@@ -57,6 +57,8 @@ class Decision:
         if self.ratios:  # the CPU kernel's ladder: the range, then each rung's ratio
             measured = " ".join(f"{t}:{r:.2f}x" for t, r in self.ratios)
             tokens = f"; sparse for {self.token_range} tokens, dense above" if self.sparse else ""
+            if self.sparse and self.max_tokens == 0:
+                tokens = "; slower than dense at every count: each call unpacks the weight for a dense GEMM"
             return f"{self.kernel}{f' ({self.isa})' if self.isa else ''}: {self.reason}{tokens}; dense/sparse time by tokens {measured}"
         speed = f", {self.speedup:.2f}x measured" if self.speedup else ""
         isa = f" ({self.isa})" if self.isa else ""

@@ -154,9 +154,19 @@ def unpack(packed: Packed24) -> torch.Tensor:
 def pack_state_dict(state: Mapping[str, torch.Tensor], names=None) -> dict[str, torch.Tensor]:
     """A copy of ``state`` with the 2:4 weights ``names`` (default: every >= 2-D floating tensor
     that is 2:4 along its last dim) stored packed: ``name`` holds the values, ``name + '.nm24_meta'``
-    the metadata. Conv weights (last dim: the kernel width) stay dense."""
+    the metadata. Conv weights (last dim: the kernel width) stay dense. Packed-only weights
+    (:class:`~nmcompile.kernels.packed_tensor.PackedLinearWeight`) are written without unpacking
+    (those stored as a transpose, GPT-2's Conv1D, are 2:4 along dim 0 and written dense)."""
+    from .packed_tensor import PackedLinearWeight
+
     out = {}
     for key, tensor in state.items():
+        if isinstance(tensor, PackedLinearWeight):
+            if tensor.transposed:
+                out[key] = tensor.dense()
+            else:
+                out[key], out[key + META_SUFFIX] = tensor.packed()
+            continue
         selected = names is None or key in names
         fits = (
             isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.is_floating_point()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import fx, nn
 
 from ..kernels.dispatch import Decision, qualify
+from ..kernels.packed_tensor import PackedLinearWeight
 from ..state.records import deployed_of
 from . import _graph, _sources
 from .context import DeployTarget, PassContext
@@ -31,8 +32,8 @@ def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
     for node, param, source in _sources.parameter_placeholders(gm):
         owned = _sources.owning_module(source, param)
         record = deployed_of(*owned) if owned else None
-        if record is None:
-            continue
+        if record is None or isinstance(param, PackedLinearWeight):
+            continue  # packed-only weights run their own kernel (their decision was made when packed)
         uses = list(node.users)
         forms = [_graph.gemm_operands(u, node) for u in uses]
         linear = [u for u, f in zip(uses, forms) if f is not None and f["kind"] == "linear"]

@@ -1,0 +1,174 @@
+"""Finalized 2:4 weights held packed only, on the CPU: no dense copy resident.
+
+- :func:`pack_weights` turns each finalized 2:4 linear weight of a CPU model into a
+  :class:`~nmcompile.kernels.packed_tensor.PackedLinearWeight` (values + position bits, about 53%
+  of the dense bytes in fp32 and 56% in bf16/fp16), with the token range where the 2:4 CPU kernel
+  measured faster than dense on the layer's shape (above it, a call unpacks the weight for itself
+  and takes the dense GEMM);
+- :func:`load_packed` loads a packed checkpoint (:func:`nmcompile.deploy.pack_state_dict`) into a
+  model, meta-device built or not, without making any dense 2:4 weight;
+- :func:`unpack_weights` gives the model its dense weights back (to train, or to export to ONNX).
+
+``model.state_dict()`` then holds the packed tensors; :func:`nmcompile.deploy.pack_state_dict`
+writes them as values + metadata without unpacking, so ``torch.load(weights_only=True)`` and
+:func:`load_packed` read them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..kernels import cpu24
+from ..kernels.dispatch import DECISION_ATTR, Decision
+from ..kernels.packed import META_SUFFIX, pack
+from ..kernels.packed_tensor import PackedLinearWeight
+from ..pattern import NMPattern
+from ..state import records
+from ..state.records import DEPLOYED, deployed_of, owners
+
+__all__ = ["pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight", "packed_names"]
+
+
+def packed_names(model: nn.Module) -> list[str]:
+    """Names of the parameters of ``model`` held packed only."""
+    return [name for name, places in owners(model) if isinstance(places[0][1]._parameters[places[0][2]], PackedLinearWeight)]
+
+
+def _range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, measure: bool) -> tuple[int, tuple]:
+    if not measure:
+        return -1, ()
+    from ..kernels.cpu_dispatch import CPU_LADDER, _ratios
+    from ..kernels.dispatch import MARGIN
+
+    ratios = _ratios(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), CPU_LADDER)
+    faster = [count for count, ratio in ratios if ratio > MARGIN]
+    return (faster[-1] if faster and faster[0] == 1 else 0), ratios
+
+
+def _set(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision) -> None:
+    param = nn.Parameter(weight, requires_grad=False)
+    setattr(param, DECISION_ATTR, decision)
+    module._parameters[pname] = param
+
+
+def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decision]:
+    """Hold every finalized 2:4 linear weight of ``model`` packed only; ``{name: decision}`` of each.
+
+    A weight is packed when its record (from :func:`nmcompile.finalize`) says 2:4 along its
+    reduction dim, it is a 2-D CPU tensor in fp32/bf16/fp16 with a reduction dim divisible by 16,
+    and the 2:4 CPU kernel runs here; the others stay dense, with the reason in the returned
+    decision. ``measure``: time the kernel against dense on each shape (once per shape) and keep it
+    for the token counts where it won; larger calls unpack the weight for the call. Tied weights
+    are packed once. Idempotent.
+    """
+    state = cpu24.status()
+    out: dict[str, Decision] = {}
+    for name, places in owners(model):
+        _, module, pname = places[0]
+        param = module._parameters[pname]
+        record = deployed_of(module, pname)
+        if record is None:
+            continue
+        if isinstance(param, PackedLinearWeight):
+            out[name] = getattr(param, DECISION_ATTR, Decision("cpu24", "packed"))
+            continue
+        why = None
+        if record.pattern != NMPattern(2, 4):
+            why = f"{record.pattern} is not 2:4"
+        elif param.dim() != 2 or record.dim not in (0, 1, -1, -2):
+            why = f"a {param.dim()}-D weight (the 2:4 CPU kernel takes linear weights)"
+        elif param.device.type != "cpu" or param.dtype not in cpu24.DTYPES:
+            why = f"a {param.dtype} weight on {param.device.type} (the kernel takes CPU fp32/bf16/fp16)"
+        elif not state.available:
+            why = state.reason
+        transposed = record.dim in (0, -2)  # [in, out] (GPT-2's Conv1D): packed as its transpose
+        weight = param.detach().t() if transposed else param.detach()
+        if why is None and weight.shape[1] % 16:
+            why = f"in_features {weight.shape[1]} is not a multiple of 16"
+        if why is not None:
+            out[name] = Decision("dense", why)
+            continue
+        isa = cpu24.best_isa(weight.dtype)
+        bias = getattr(module, "bias", None)
+        max_tokens, ratios = _range(*weight.shape, weight.dtype, isinstance(bias, torch.Tensor), isa, measure)
+        packed = pack(weight)
+        values, bits = cpu24.cpu_layout(packed.values, packed.meta)
+        tensor = PackedLinearWeight(values, bits, tuple(weight.shape), max_tokens, isa, transposed)
+        reason = "packed only" + ("" if measure else ", every token count (not timed)")
+        decision = Decision("cpu24", reason, max_tokens=max_tokens, isa=isa, ratios=ratios,
+                            speedup=ratios[0][1] if ratios else None)
+        for _, holder, attr in places:
+            _set(holder, attr, tensor, decision)
+        out[name] = decision
+    if not out:
+        raise ValueError(
+            f"nmcompile.deploy.pack_weights: {type(model).__name__} has no finalized weight; call "
+            "nmcompile.finalize(model) first (or load_packed for a packed checkpoint)"
+        )
+    return out
+
+
+def unpack_weights(model: nn.Module) -> list[str]:
+    """Give every packed-only weight its dense parameter back (a new tensor each); the names."""
+    done = []
+    for name, places in owners(model):
+        param = places[0][1]._parameters[places[0][2]]
+        if isinstance(param, PackedLinearWeight):
+            dense = nn.Parameter(param.dense().contiguous(), requires_grad=False)
+            for _, holder, attr in places:
+                holder._parameters[attr] = dense
+            done.append(name)
+    return done
+
+
+def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True):
+    """Load a state dict written by :func:`nmcompile.deploy.pack_state_dict` into ``model``, its
+    packed 2:4 weights as packed-only parameters (no dense weight is made) and recorded as
+    finalized 2:4 along ``in``; every other entry as ``load_state_dict(assign=True)`` does, so a
+    model built on the meta device works. Returns ``load_state_dict``'s result.
+
+    A packed entry must belong to a 2-D weight of the same shape (``[out, in]``, the values
+    ``[out, in/2]``); its token range is every count (call :func:`pack_weights` with ``measure``
+    after :func:`unpack_weights` to time it, or compile with the ``nmsparse`` backend).
+    """
+    if not cpu24.status().available:
+        raise RuntimeError(f"load_packed needs the 2:4 CPU kernel, which is not available here: "
+                           f"{cpu24.status().reason}; load nmcompile.deploy.unpack_state_dict(state) instead")
+    modules = dict(model.named_modules())
+    plain = {}
+    for key, tensor in state.items():
+        if key.endswith(META_SUFFIX):
+            if key[: -len(META_SUFFIX)] not in state:
+                raise ValueError(f"load_packed: {key} has no values entry {key[: -len(META_SUFFIX)]!r}; the file is damaged")
+            continue
+        meta = state.get(key + META_SUFFIX)
+        if meta is None:
+            plain[key] = tensor
+            continue
+        mname, _, pname = key.rpartition(".")
+        module = modules.get(mname)
+        param = None if module is None else module._parameters.get(pname)
+        if param is None or param.dim() != 2 or tuple(param.shape) != (tensor.shape[0], tensor.shape[1] * 2):
+            raise ValueError(
+                f"load_packed: {key} holds a packed 2:4 weight of shape [{tensor.shape[0]}, {tensor.shape[1] * 2}], but "
+                f"the model's {key} is {None if param is None else list(param.shape)}"
+            )
+        weight = PackedLinearWeight.from_packed(tensor, meta)
+        weight = weight._with(values=weight.values.to(param.dtype)) if param.dtype != tensor.dtype and not param.is_meta else weight
+        _set(module, pname, weight, Decision("cpu24", "packed only, loaded (every token count, not timed)",
+                                             isa=weight.isa))
+        records.put(module, DEPLOYED, pname, _deployed())
+    missing_packed = [k for k in model.state_dict() if k not in plain and k + META_SUFFIX not in state]
+    result = model.load_state_dict(plain, strict=False, assign=True)
+    if strict and (missing_packed or result.unexpected_keys):
+        raise RuntimeError(f"load_packed: missing keys {missing_packed}, unexpected keys {result.unexpected_keys}")
+    return result
+
+
+def _deployed():
+    from .finalize import Deployed
+
+    return Deployed(NMPattern(2, 4), 1, "")

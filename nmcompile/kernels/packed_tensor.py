@@ -1,0 +1,119 @@
+"""A 2:4 weight held packed only: a tensor subclass over the CPU kernel's layout, no dense copy.
+
+:class:`PackedLinearWeight` stands where a finalized ``[out, in]`` linear weight was (the
+parameter of its module, as FSDP2's DTensor does): it has the weight's shape and dtype but holds
+only the kernel's ``values`` and position ``bits`` (:func:`nmcompile.kernels.cpu24.cpu_layout`,
+53% of the dense bytes in fp32, 56% in bf16/fp16, plus at most 7 padding rows). What reads it:
+
+- ``F.linear`` (eager, ``torch.compile``, ``torch.export``): the product ``x @ W.t()`` runs on
+  ``nmsparse::cpu24_linear`` with the layer's measured range (``max_tokens``; calls above it take
+  the dense GEMM on the weight unpacked for that call);
+- any other op (``check``, arithmetic, printing): computed on the dense weight, unpacked for that
+  call only;
+- ``nmcompile.deploy.pack_state_dict`` writes its packed values and metadata without unpacking.
+
+It is traceable (``__tensor_flatten__``): Dynamo, AOTAutograd and ``torch.export`` see the two
+inner tensors. Read-only: in-place ops and gradients are refused with what to do instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from . import cpu24
+
+__all__ = ["PackedLinearWeight"]
+
+aten = torch.ops.aten
+
+
+class PackedLinearWeight(Tensor):
+    values: Tensor
+    bits: Tensor
+
+    @staticmethod
+    def __new__(cls, values: Tensor, bits: Tensor, shape, max_tokens: int = -1, isa: str = "", transposed: bool = False):
+        out_f, in_f = shape
+        outer = (in_f, out_f) if transposed else (out_f, in_f)
+        return Tensor._make_wrapper_subclass(cls, outer, dtype=values.dtype, device=values.device, requires_grad=False)
+
+    def __init__(self, values, bits, shape, max_tokens: int = -1, isa: str = "", transposed: bool = False):
+        self.values, self.bits = values, bits
+        self.weight_shape = tuple(int(s) for s in shape)  # [out, in] of the weight it holds
+        self.max_tokens, self.isa, self.transposed = int(max_tokens), isa, transposed
+
+    @classmethod
+    def from_packed(cls, values: Tensor, meta: Tensor, max_tokens: int = -1, isa: str = "") -> "PackedLinearWeight":
+        """From :func:`nmcompile.pack`'s ``values`` ``[out, in/2]`` and ``meta`` (no dense weight made)."""
+        v, b = cpu24.cpu_layout(values, meta)
+        return cls(v, b, (values.shape[0], values.shape[1] * 2), max_tokens, isa or cpu24.best_isa(values.dtype) or "")
+
+    def __repr__(self) -> str:
+        t = ", transposed" if self.transposed else ""
+        return (f"PackedLinearWeight(shape={list(self.weight_shape)}, dtype={self.dtype}, "
+                f"max_tokens={self.max_tokens}, isa={self.isa!r}{t})")
+
+    def __tensor_flatten__(self):
+        return ["values", "bits"], (self.weight_shape, self.max_tokens, self.isa, self.transposed)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return PackedLinearWeight(inner["values"], inner["bits"], *ctx)
+
+    def _stable_hash_for_caching(self) -> str:  # AOTAutograd's cache: the metadata, not the values
+        return f"PackedLinearWeight {self.weight_shape} {self.dtype} {self.max_tokens} {self.isa} {self.transposed}"
+
+    def __reduce_ex__(self, protocol):  # torch.save of a model or state dict holding it
+        return _rebuild, (self.values, self.bits, self.weight_shape, self.max_tokens, self.isa, self.transposed)
+
+    @property
+    def nbytes_packed(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.bits.numel() * self.bits.element_size()
+
+    def packed(self) -> tuple[Tensor, Tensor]:
+        """``(values, meta)`` in :func:`nmcompile.pack`'s format, for checkpoints."""
+        return cpu24.packed_layout(self.values, self.bits, self.weight_shape[0])
+
+    def dense(self) -> Tensor:
+        """The dense weight (a new tensor; the transpose where this is the transposed view)."""
+        w = torch.ops.nmsparse.cpu24_unpack(self.values, self.bits, self.weight_shape[0])
+        return w.t() if self.transposed else w
+
+    def _with(self, values=None, bits=None, transposed=None) -> "PackedLinearWeight":
+        return PackedLinearWeight(
+            self.values if values is None else values, self.bits if bits is None else bits, self.weight_shape,
+            self.max_tokens, self.isa, self.transposed if transposed is None else transposed,
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return args[0]._with()
+        if func is aten.t.default or (func is aten.transpose.int and sorted(a % 2 for a in args[1:3]) == [0, 1]):
+            return args[0]._with(transposed=not args[0].transposed)
+        if func in (aten.mm.default, aten.addmm.default):
+            bias, x, w = (None, *args[:2]) if func is aten.mm.default else args[:3]
+            if isinstance(w, PackedLinearWeight) and w.transposed and not isinstance(x, PackedLinearWeight) \
+                    and (bias is None or (bias.dim() == 1 and not kwargs)):
+                return torch.ops.nmsparse.cpu24_linear(
+                    x, w.values, w.bits, bias, None, w.weight_shape[0], w.max_tokens, w.isa or "avx2"
+                )
+        if func is aten._to_copy.default and set(kwargs) <= {"dtype"} and kwargs.get("dtype") in cpu24.DTYPES:
+            w = args[0]
+            return w._with(values=w.values.to(kwargs["dtype"]))
+        if getattr(func, "_schema", None) is not None and func._schema.is_mutable:
+            raise RuntimeError(
+                f"{func} would write into a packed 2:4 weight, which holds only its kept values; unpack the model "
+                "first (nmcompile.deploy.unpack_weights(model)) to change weights"
+            )
+        dense = tree_map(lambda t: t.dense() if isinstance(t, PackedLinearWeight) else t, (args, kwargs))
+        return func(*dense[0], **dense[1])
+
+
+def _rebuild(values, bits, shape, max_tokens, isa, transposed):
+    return PackedLinearWeight(values, bits, shape, max_tokens, isa, transposed)
