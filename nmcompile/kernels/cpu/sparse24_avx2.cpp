@@ -1,7 +1,6 @@
-// 2:4 CPU GEMM, AVX2 + FMA + F16C: a word's 16 positions as two ymm halves; each half's 4 kept
-// values are placed by one permute whose lane indices come from a table indexed by its 8 bits
-// (lanes 4..7 of the zero-extended half are zero, which the table uses for the
-// dropped positions).
+// 2:4 CPU GEMM, AVX2 + FMA + F16C: a word's 16 positions as two ymm halves of 8 fp32 lanes; each
+// half's 4 kept values are placed (zeros elsewhere) by one byte shuffle from a table indexed by the
+// half's 8 position bits (fp32, bf16), or by a lane permute after conversion (fp16).
 #include <cstdint>
 
 #pragma GCC target("avx2,fma,f16c")
@@ -11,50 +10,79 @@
 
 namespace {
 
-// lane j of entry m: the rank of bit j among m's set bits, or 4 (a zero lane) where bit j is clear;
-// bytes, read with a zero-extending load; built at compile time (a constructor running at load
-// would be AVX2 code on any CPU)
-struct ExpandTable {
+// Byte shuffles that place 4 kept values into the 8 fp32 lanes of a half word: entry m (the half's
+// 8 position bits) gives, for lane j, the bytes of value rank(j) if bit j is set, else 0x80 (zero).
+// The 4 values sit in both 128-bit lanes of the source (a broadcast), so vpshufb reaches them from
+// either lane. fp32: value r is bytes 4r..4r+3; bf16: bytes 2r, 2r+1 land in the lane's high half
+// (the fp32 with the same value). Built at compile time (a constructor running at load would be
+// AVX2 code on any CPU).
+struct ShuffleTable {
+  alignas(64) uint8_t f32[256][32];
+  alignas(64) uint8_t bf16[256][32];
+  constexpr ShuffleTable() : f32{}, bf16{} {
+    for (int m = 0; m < 256; ++m) {
+      int rank = 0;
+      for (int j = 0; j < 8; ++j) {
+        const bool kept = (m >> j) & 1;
+        for (int byte = 0; byte < 4; ++byte) {
+          f32[m][4 * j + byte] = static_cast<uint8_t>(kept ? 4 * rank + byte : 0x80);
+          bf16[m][4 * j + byte] = static_cast<uint8_t>(kept && byte >= 2 ? 2 * rank + byte - 2 : 0x80);
+        }
+        rank += kept;
+      }
+    }
+  }
+};
+constexpr ShuffleTable kShuffle{};
+
+// fp16: converted first (vcvtph2ps), then placed by a lane permute whose indices come from this
+// table (4: a zero lane of the zero-extended half)
+struct PermuteTable {
   alignas(64) uint8_t idx[256][8];
-  constexpr ExpandTable() : idx{} {
+  constexpr PermuteTable() : idx{} {
     for (int m = 0; m < 256; ++m) {
       int rank = 0;
       for (int j = 0; j < 8; ++j) idx[m][j] = static_cast<uint8_t>((m >> j) & 1 ? rank++ : 4);
     }
   }
 };
-constexpr ExpandTable kTable{};
+constexpr PermuteTable kPermute{};
 
 struct Half { uint16_t v; };
-
-// a word's 8 kept values as fp32: the first 4 and the last 4
-template <typename W>
-inline void load8(const W* p, __m128& first, __m128& last);
-template <>
-inline void load8<float>(const float* p, __m128& first, __m128& last) {
-  first = _mm_loadu_ps(p);
-  last = _mm_loadu_ps(p + 4);
-}
-template <>
-inline void load8<uint16_t>(const uint16_t* p, __m128& first, __m128& last) {  // bf16: an fp32's high half
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), zero = _mm_setzero_si128();
-  first = _mm_castsi128_ps(_mm_unpacklo_epi16(zero, v));
-  last = _mm_castsi128_ps(_mm_unpackhi_epi16(zero, v));
-}
-template <>
-inline void load8<Half>(const Half* p, __m128& first, __m128& last) {
-  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  first = _mm256_castps256_ps128(v);
-  last = _mm256_extractf128_ps(v, 1);
-}
 
 struct Pair {
   __m256 lo, hi;
 };
 
-inline __m256 place4(__m128 v, unsigned m) {  // 4 values into the lanes of m's set bits, zeros elsewhere
-  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kTable.idx[m])));
+inline __m256i control(const uint8_t (*table)[32], unsigned m) {
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(table[m]));
+}
+
+// a word's 8 kept values (16 positions) as two fp32 vectors, zeros at the dropped positions
+template <typename W>
+inline Pair place(const W* v, unsigned m);
+template <>
+inline Pair place<float>(const float* v, unsigned m) {
+  const __m256i first = _mm256_castps_si256(_mm256_broadcast_ps(reinterpret_cast<const __m128*>(v)));
+  const __m256i last = _mm256_castps_si256(_mm256_broadcast_ps(reinterpret_cast<const __m128*>(v + 4)));
+  return {_mm256_castsi256_ps(_mm256_shuffle_epi8(first, control(kShuffle.f32, m & 0xFF))),
+          _mm256_castsi256_ps(_mm256_shuffle_epi8(last, control(kShuffle.f32, m >> 8)))};
+}
+template <>
+inline Pair place<uint16_t>(const uint16_t* v, unsigned m) {  // bf16
+  const __m256i first = _mm256_set1_epi64x(*reinterpret_cast<const long long*>(v));
+  const __m256i last = _mm256_set1_epi64x(*reinterpret_cast<const long long*>(v + 4));
+  return {_mm256_castsi256_ps(_mm256_shuffle_epi8(first, control(kShuffle.bf16, m & 0xFF))),
+          _mm256_castsi256_ps(_mm256_shuffle_epi8(last, control(kShuffle.bf16, m >> 8)))};
+}
+inline __m256 permute4(__m128 v, unsigned m) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPermute.idx[m])));
   return _mm256_permutevar8x32_ps(_mm256_zextps128_ps256(v), idx);
+}
+template <>
+inline Pair place<Half>(const Half* v, unsigned m) {
+  const __m256 all = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+  return {permute4(_mm256_castps256_ps128(all), m & 0xFF), permute4(_mm256_extractf128_ps(all, 1), m >> 8)};
 }
 
 template <typename W, int R_, int TT_>
@@ -68,10 +96,7 @@ struct Avx2 {
   static inline Acc zero() { return _mm256_setzero_ps(); }
   static inline XV load_x(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static inline WV expand(const W* v, const uint16_t* b, int64_t) {
-    const unsigned m = *b;
-    __m128 first, last;
-    load8<W>(v, first, last);
-    return {place4(first, m & 0xFF), place4(last, m >> 8)};
+    return place<W>(v, *b);
   }
   static inline Acc madd(Acc acc, const WV& w, const XV& x) {
     return _mm256_fmadd_ps(w.hi, x.hi, _mm256_fmadd_ps(w.lo, x.lo, acc));

@@ -1,0 +1,232 @@
+"""Deployed 2:4 models on this CPU: the native kernel per layer, then greedy decoding end to end.
+
+One process, one run; every ratio compares methods timed alternately (interleaved medians) on the
+same inputs, so they saw the same machine.
+
+  bandwidth   the machine's read bandwidth: torch.sum over a 512 MB fp32 buffer (far larger than the
+              caches), median of 9
+  per layer   weight [out, in] in (3072, 768), (4096, 1024), (4096, 4096), (11008, 4096),
+              (4096, 11008), fp32 and bf16, at 1, 2, 4, 8, 16, 64 and 256 tokens, bias on:
+                dense       F.linear(x, w, b)
+                inductor    torch.compile(nn.Linear) (default mode, dynamic token count)
+                autotune    torch.compile(nn.Linear, mode="max-autotune", dynamic token count)
+                nm_auto     finalized nn.Linear through backend="nmsparse" (dynamic): the dispatch
+                            keeps the 2:4 kernel where it measured faster, dense elsewhere
+                nm_forced   the same with deploy_kernel="cpu24" (the kernel at every count)
+              plus the kernel's achieved bytes/s at 1 token (packed bytes / time) beside the bandwidth
+  decode      Hugging Face GPT-2-medium-shaped model (24 layers, d=1024, random weights), every
+              Conv1D weight pruned 2:4 by magnitude, greedy model.generate of 64 tokens after a
+              16-token prompt with its KV cache: dense vs packed-only 2:4 (pack_weights), each
+              eager and torch.compile'd (dense: inductor; 2:4: nmsparse), tokens/s in fp32 and bf16,
+              and the resident bytes of the parameters
+
+    python benchmarks/cpu_deploy.py --out benchmarks/results/cpu_deploy.json
+    python benchmarks/cpu_deploy.py --quick          # two shapes, three token counts, a 4-layer model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nmcompile
+from nmcompile.kernels import cpu24
+
+SHAPES = [(3072, 768), (4096, 1024), (4096, 4096), (11008, 4096), (4096, 11008)]
+TOKENS = (1, 2, 4, 8, 16, 64, 256)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+METHODS = ("dense", "inductor", "autotune", "nm_auto", "nm_forced")
+
+
+def machine() -> dict:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return {"cpu": model, "threads": torch.get_num_threads(), "torch": torch.__version__, "isa": cpu24.isas(),
+            "nmcompile": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+
+
+def bandwidth() -> float:
+    buf = torch.ones(128 * 1024 * 1024)
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return buf.numel() * 4 / statistics.median(times) / 1e9
+
+
+def interleaved(fns: dict, budget: float = 1.0, min_reps: int = 5, max_reps: int = 41) -> dict:
+    """Median seconds of each function, called round-robin."""
+    for fn in fns.values():
+        fn()
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    once = time.perf_counter() - start
+    reps = max(min_reps, min(max_reps, int(budget / max(once, 1e-6))))
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def layer(out_f: int, in_f: int, dtype: torch.dtype) -> nn.Linear:
+    torch.manual_seed(0)
+    m = nn.Linear(in_f, out_f)
+    with torch.no_grad():
+        m.weight.copy_(nmcompile.masks.prune(m.weight, 2, 4, 1))
+    nmcompile.finalize(m, pattern="2:4")
+    return m.to(dtype).eval().requires_grad_(False)
+
+
+def per_layer(shapes, tokens, dtypes) -> list[dict]:
+    rows = []
+    for dname, dtype in dtypes.items():
+        for out_f, in_f in shapes:
+            m = layer(out_f, in_f, dtype)
+            torch._dynamo.reset()
+            compiled = {
+                "inductor": torch.compile(nn.Linear(in_f, out_f).to(dtype).eval().requires_grad_(False), dynamic=True),
+                "autotune": torch.compile(nn.Linear(in_f, out_f).to(dtype).eval().requires_grad_(False),
+                                          mode="max-autotune", dynamic=True),
+            }
+            for c in compiled.values():  # the same weights as m
+                c._orig_mod.load_state_dict(m.state_dict())
+            nm_auto = torch.compile(m, backend="nmsparse", dynamic=True)
+            forced = layer(out_f, in_f, dtype)
+            nm_forced = torch.compile(forced, backend="nmsparse", dynamic=True, options={"deploy_kernel": "cpu24"})
+            w, b = m.weight, m.bias
+            packed = nmcompile.pack(w)
+            packed_bytes = packed.nbytes
+            for count in tokens:
+                x = torch.randn(count, in_f).to(dtype)
+                fns = {
+                    "dense": lambda: F.linear(x, w, b),
+                    "inductor": lambda: compiled["inductor"](x),
+                    "autotune": lambda: compiled["autotune"](x),
+                    "nm_auto": lambda: nm_auto(x),
+                    "nm_forced": lambda: nm_forced(x),
+                }
+                with torch.no_grad():
+                    t = interleaved(fns)
+                    err = (nm_forced(x).float() - F.linear(x, w, b).float()).abs().max().item()
+                decision = nmcompile.deploy_report(m)["weight"]
+                row = {"dtype": dname, "out": out_f, "in": in_f, "tokens": count, "weight_mb": w.numel() * w.element_size() / 2**20,
+                       **{f"{k}_ms": v * 1e3 for k, v in t.items()},
+                       **{f"{k}_x": t["dense"] / v for k, v in t.items() if k != "dense"},
+                       "forced_gbps": packed_bytes / t["nm_forced"] / 1e9, "max_abs_err": err,
+                       "auto_decision": str(decision)}
+                rows.append(row)
+                print(f"{dname} [{out_f}, {in_f}] {count:>3} tok: dense {t['dense']*1e3:7.3f} ms | inductor "
+                      f"{row['inductor_x']:.2f}x autotune {row['autotune_x']:.2f}x | nm auto {row['nm_auto_x']:.2f}x "
+                      f"forced {row['nm_forced_x']:.2f}x ({row['forced_gbps']:.1f} GB/s)", flush=True)
+    return rows
+
+
+def gpt2(layers: int, dtype: torch.dtype):
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=1024, n_layer=layers, n_head=16, n_positions=1024, vocab_size=50257)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for block in model.transformer.h:
+            for conv in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                conv.weight.copy_(nmcompile.masks.prune(conv.weight, 2, 4, 0))  # [in, out]: 2:4 along in
+    return model.to(dtype).requires_grad_(False)
+
+
+def resident_bytes(model) -> int:
+    total, seen = 0, set()
+    for p in list(model.parameters()) + list(model.buffers()):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.nbytes_packed if hasattr(p, "nbytes_packed") else p.numel() * p.element_size()
+    return total
+
+
+def decode(layers: int, dtypes, new_tokens: int = 64, prompt: int = 16, runs: int = 3) -> list[dict]:
+    from nmcompile.deploy import pack_weights
+
+    rows = []
+    for dname, dtype in dtypes.items():
+        dense = gpt2(layers, dtype)
+        sparse = gpt2(layers, dtype)
+        nmcompile.finalize(sparse, pattern="2:4")
+        decisions = pack_weights(sparse)
+        ids = torch.randint(0, 50257, (1, prompt))
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        variants = {"dense eager": dense, "2:4 eager": sparse}
+        torch._dynamo.reset()
+        dense_c = gpt2(layers, dtype)
+        dense_c.forward = torch.compile(dense_c.forward)
+        sparse_c = gpt2(layers, dtype)
+        nmcompile.finalize(sparse_c, pattern="2:4")
+        pack_weights(sparse_c)
+        sparse_c.forward = torch.compile(sparse_c.forward, backend="nmsparse")
+        variants.update({"dense compiled": dense_c, "2:4 compiled": sparse_c})
+        outputs, compile_s = {}, {}
+        with torch.no_grad():
+            for name, model in variants.items():  # warm-up: compiles
+                start = time.perf_counter()
+                outputs[name] = model.generate(ids, **kwargs)
+                compile_s[name] = time.perf_counter() - start
+            fns = {name: (lambda model=model: model.generate(ids, **kwargs)) for name, model in variants.items()}
+            t = interleaved(fns, budget=0.0, min_reps=runs, max_reps=runs)
+        row = {"dtype": dname, "layers": layers, "new_tokens": new_tokens, "prompt": prompt,
+               **{f"{k} tok/s": new_tokens / v for k, v in t.items()},
+               **{f"{k} first call s": v for k, v in compile_s.items()},
+               "speedup compiled": t["dense compiled"] / t["2:4 compiled"],
+               "speedup eager": t["dense eager"] / t["2:4 eager"],
+               "weights dense MB": resident_bytes(dense) / 2**20, "weights 2:4 MB": resident_bytes(sparse) / 2**20,
+               "same greedy tokens as dense eager": {k: bool(torch.equal(v, outputs["dense eager"])) for k, v in outputs.items()},
+               "packed layers": sum(d.kernel == "cpu24" for d in decisions.values()),
+               "ranges": sorted({d.token_range for d in decisions.values()})}
+        row["memory ratio"] = row["weights 2:4 MB"] / row["weights dense MB"]
+        rows.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out")
+    parser.add_argument("--skip", nargs="*", default=(), choices=("layers", "decode"))
+    args = parser.parse_args()
+    state = cpu24.status()
+    if not state.available:
+        print(f"the 2:4 CPU kernel is not available here: {state.reason}")
+        return 0
+    result = {"machine": machine(), "kernel_build_or_load_s": state.build_seconds}
+    result["bandwidth_gbps"] = bandwidth()
+    print(f"{result['machine']}\nread bandwidth {result['bandwidth_gbps']:.1f} GB/s", flush=True)
+    shapes, tokens = (SHAPES[:1] + SHAPES[2:3], (1, 8, 64)) if args.quick else (SHAPES, TOKENS)
+    if "layers" not in args.skip:
+        result["layers"] = per_layer(shapes, tokens, DTYPES)
+    if "decode" not in args.skip:
+        result["decode"] = decode(4 if args.quick else 24, DTYPES, new_tokens=16 if args.quick else 64)
+    result["bandwidth_gbps_after"] = bandwidth()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
