@@ -142,3 +142,31 @@ def test_a_cpu_without_the_kernel_deploys_dense_with_the_reason(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend="nmsparse")(x), model(x))
     assert all(d == Decision("dense", arm.reason) for d in nmcompile.deploy_report(model).values())
+
+
+@pytest.mark.slow
+def test_a_build_that_fails_is_reported_with_the_compilers_message(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'fatal error: this compiler was made to fail' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        import nmcompile
+        model = nn.Sequential(nn.Linear(64, 32))
+        nmcompile.annotate(model, "ste:2:4")
+        nmcompile.finalize(model)
+        x = torch.randn(2, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(model.eval(), backend="nmsparse")(x), model(x))
+        print(nmcompile.deploy_report(model)["0.weight"])
+    """)
+    env = {**os.environ, "CXX": str(fake), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "dense: building the 2:4 CPU kernel failed" in done.stdout and "made to fail" in done.stdout, done.stdout
