@@ -22,6 +22,7 @@ same inputs, so they saw the same machine.
 
     python benchmarks/cpu_deploy.py --out benchmarks/results/cpu_deploy.json
     python benchmarks/cpu_deploy.py --quick          # two shapes, three token counts, a 4-layer model
+    python benchmarks/cpu_deploy.py --render benchmarks/results/cpu_deploy.json   # the tables for docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -160,27 +161,26 @@ def resident_bytes(model) -> int:
     return total
 
 
-def decode(layers: int, dtypes, new_tokens: int = 64, prompt: int = 16, runs: int = 3) -> list[dict]:
+def decode(layers: int, dtypes, new_tokens: int = 64, prompt: int = 16, runs: int = 3,
+           modes=("eager", "compiled")) -> list[dict]:
     from nmcompile.deploy import pack_weights
 
     rows = []
     for dname, dtype in dtypes.items():
-        dense = gpt2(layers, dtype)
-        sparse = gpt2(layers, dtype)
-        nmcompile.finalize(sparse, pattern="2:4")
-        decisions = pack_weights(sparse)
+        torch._dynamo.reset()
         ids = torch.randint(0, 50257, (1, prompt))
         kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        variants = {"dense eager": dense, "2:4 eager": sparse}
-        torch._dynamo.reset()
-        dense_c = gpt2(layers, dtype)
-        dense_c.forward = torch.compile(dense_c.forward)
-        sparse_c = gpt2(layers, dtype)
-        nmcompile.finalize(sparse_c, pattern="2:4")
-        pack_weights(sparse_c)
-        sparse_c.forward = torch.compile(sparse_c.forward, backend="nmsparse")
-        variants.update({"dense compiled": dense_c, "2:4 compiled": sparse_c})
+        variants = {}
+        for mode in modes:
+            dense, sparse = gpt2(layers, dtype), gpt2(layers, dtype)
+            nmcompile.finalize(sparse, pattern="2:4")
+            decisions = pack_weights(sparse)
+            if mode == "compiled":
+                dense.forward = torch.compile(dense.forward)
+                sparse.forward = torch.compile(sparse.forward, backend="nmsparse")
+            variants.update({f"dense {mode}": dense, f"2:4 {mode}": sparse})
         outputs, compile_s = {}, {}
+        reference = next(iter(variants))
         with torch.no_grad():
             for name, model in variants.items():  # warm-up: compiles
                 start = time.perf_counter()
@@ -191,10 +191,10 @@ def decode(layers: int, dtypes, new_tokens: int = 64, prompt: int = 16, runs: in
         row = {"dtype": dname, "layers": layers, "new_tokens": new_tokens, "prompt": prompt,
                **{f"{k} tok/s": new_tokens / v for k, v in t.items()},
                **{f"{k} first call s": v for k, v in compile_s.items()},
-               "speedup compiled": t["dense compiled"] / t["2:4 compiled"],
-               "speedup eager": t["dense eager"] / t["2:4 eager"],
+               **{f"speedup {mode}": t[f"dense {mode}"] / t[f"2:4 {mode}"] for mode in modes},
                "weights dense MB": resident_bytes(dense) / 2**20, "weights 2:4 MB": resident_bytes(sparse) / 2**20,
-               "same greedy tokens as dense eager": {k: bool(torch.equal(v, outputs["dense eager"])) for k, v in outputs.items()},
+               "same greedy tokens as": reference,
+               "same greedy tokens": {k: bool(torch.equal(v, outputs[reference])) for k, v in outputs.items()},
                "packed layers": sum(d.kernel == "cpu24" for d in decisions.values()),
                "ranges": sorted({d.token_range for d in decisions.values()})}
         row["memory ratio"] = row["weights 2:4 MB"] / row["weights dense MB"]
@@ -203,12 +203,57 @@ def decode(layers: int, dtypes, new_tokens: int = 64, prompt: int = 16, runs: in
     return rows
 
 
+def render(result: dict) -> str:
+    """Markdown tables of a result file: per layer (ratios to dense F.linear) and decode."""
+    m = result["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['threads']} threads, ISA {', '.join(m['isa'])}, torch {m['torch']}, "
+             f"nmcompile {m['nmcompile']}. Read bandwidth (sum over 512 MB): {result['bandwidth_gbps']:.1f} GB/s before, "
+             f"{result.get('bandwidth_gbps_after', float('nan')):.1f} GB/s after the run. Kernel build or load in this process: "
+             f"{result['kernel_build_or_load_s']:.1f} s.", ""]
+    if "layers" in result:
+        lines += ["Per layer: dense `F.linear` time, then each method's speed as dense time / its time "
+                  "(>1: faster than dense); `GB/s`: the forced kernel's packed bytes / its time.", "",
+                  "| dtype | weight [out, in] | MB | tokens | dense ms | inductor | max-autotune | nm auto | nm forced | GB/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in result["layers"]:
+            lines.append(f"| {r['dtype']} | [{r['out']}, {r['in']}] | {r['weight_mb']:.0f} | {r['tokens']} | {r['dense_ms']:.3f} | "
+                         f"{r['inductor_x']:.2f}x | {r['autotune_x']:.2f}x | {r['nm_auto_x']:.2f}x | {r['nm_forced_x']:.2f}x | "
+                         f"{r['forced_gbps']:.1f} |")
+        lines += ["", "What `auto` chose per layer (the deploy report):", ""]
+        seen = set()
+        for r in result["layers"]:
+            key = (r["dtype"], r["out"], r["in"])
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"- {r['dtype']} [{r['out']}, {r['in']}]: {r['auto_decision']}")
+    for r in result.get("decode", []):
+        lines += ["", f"Decode, {r['dtype']}: GPT-2-medium-shaped ({r['layers']} layers), greedy `generate` of "
+                  f"{r['new_tokens']} tokens after {r['prompt']}, tokens/s (first call, with compiles, in parentheses):", "",
+                  "| | dense | 2:4 packed-only | 2:4 / dense |", "| --- | --- | --- | --- |"]
+        for mode in ("eager", "compiled"):
+            if f"speedup {mode}" not in r:
+                continue
+            lines.append(f"| {mode} | {r[f'dense {mode} tok/s']:.2f} ({r[f'dense {mode} first call s']:.0f} s) | "
+                         f"{r[f'2:4 {mode} tok/s']:.2f} ({r[f'2:4 {mode} first call s']:.0f} s) | {r[f'speedup {mode}']:.2f}x |")
+        lines += ["", f"Resident parameter bytes: dense {r['weights dense MB']:.0f} MB, 2:4 {r['weights 2:4 MB']:.0f} MB "
+                  f"({r['memory ratio']:.2f}x); {r['packed layers']} layers packed, kernel ranges {', '.join(r['ranges'])}; "
+                  f"same greedy tokens as {r.get('same greedy tokens as', 'dense eager')}: "
+                  f"{r.get('same greedy tokens', r.get('same greedy tokens as dense eager'))}."]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out")
     parser.add_argument("--skip", nargs="*", default=(), choices=("layers", "decode"))
+    parser.add_argument("--render", help="print the markdown tables of a result file and exit")
+    parser.add_argument("--decode-modes", nargs="+", default=("eager", "compiled"), choices=("eager", "compiled"))
     args = parser.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)))
+        return 0
     state = cpu24.status()
     if not state.available:
         print(f"the 2:4 CPU kernel is not available here: {state.reason}")
@@ -217,14 +262,20 @@ def main() -> int:
     result["bandwidth_gbps"] = bandwidth()
     print(f"{result['machine']}\nread bandwidth {result['bandwidth_gbps']:.1f} GB/s", flush=True)
     shapes, tokens = (SHAPES[:1] + SHAPES[2:3], (1, 8, 64)) if args.quick else (SHAPES, TOKENS)
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
     if "layers" not in args.skip:
         result["layers"] = per_layer(shapes, tokens, DTYPES)
+        save()
     if "decode" not in args.skip:
-        result["decode"] = decode(4 if args.quick else 24, DTYPES, new_tokens=16 if args.quick else 64)
+        result["decode"] = decode(4 if args.quick else 24, DTYPES, new_tokens=16 if args.quick else 64,
+                                  modes=tuple(args.decode_modes))
     result["bandwidth_gbps_after"] = bandwidth()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save()
     return 0
 
 

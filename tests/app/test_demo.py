@@ -38,6 +38,10 @@ def test_demo_end_to_end_on_a_tiny_text(tmp_path):
         assert (out / name).stat().st_size > 0, name
     assert nmcompile.check(out / "model.onnx").ok
     assert "validation loss" in format_summary(summary) and summary["sample"].startswith("ROMEO")
+    generation = summary["generation"]  # greedy generation timed dense vs deployed 2:4
+    assert generation["dense_chars_per_s"] > 0 and generation["sparse_chars_per_s"] > 0
+    assert generation["layers"] == 4 and 0 <= generation["sparse_layers"] <= 4
+    assert "chars/s" in format_summary(summary).splitlines()[-1]
 
 
 @pytest.mark.slow
