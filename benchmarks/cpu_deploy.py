@@ -19,6 +19,9 @@ same inputs, so they saw the same machine.
               16-token prompt with its KV cache: dense vs packed-only 2:4 (pack_weights), each
               eager and torch.compile'd (dense: inductor; 2:4: nmsparse), tokens/s in fp32 and bf16,
               and the resident bytes of the parameters
+  aoti        an MLP (4096 -> 11008 -> 4096, fp32, packed-only 2:4) through torch.export and
+              AOTInductor, the package loaded in a fresh process: its time beside the same model
+              compiled with backend="nmsparse" and dense F.linear there, at 1 and 8 tokens
 
     python benchmarks/cpu_deploy.py --out benchmarks/results/cpu_deploy.json
     python benchmarks/cpu_deploy.py --quick          # two shapes, three token counts, a 4-layer model
@@ -203,6 +206,66 @@ def decode(layers: int, dtypes, new_tokens: int = 64, prompt: int = 16, runs: in
     return rows
 
 
+AOTI_CHILD = """
+import json, sys, statistics, time
+import torch
+from torch import nn
+from nmcompile.kernels import cpu24
+cpu24.status()  # registers nmsparse::cpu24_linear before the package loads
+package, state_path, tokens = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
+runner = torch._inductor.aoti_load_package(package)
+dense = torch.load(state_path)
+out = {}
+with torch.no_grad():
+    for count in tokens:
+        x = torch.randn(count, 4096)
+        fns = {"dense": lambda: torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, dense["0.weight"], dense["0.bias"])), dense["2.weight"], dense["2.bias"]),
+               "aoti": lambda: runner(x)}
+        times = {k: [] for k in fns}
+        for fn in fns.values():
+            fn()
+        for _ in range(15):
+            for k, fn in fns.items():
+                s = time.perf_counter(); fn(); times[k].append(time.perf_counter() - s)
+        out[count] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+print(json.dumps(out))
+"""
+
+
+def aoti(tmp: str) -> dict:
+    """AOTInductor package of a packed-only MLP, timed in a fresh process; nmsparse-compiled here."""
+    import os
+
+    from nmcompile.deploy import pack_weights
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 11008), nn.GELU(), nn.Linear(11008, 4096))
+    with torch.no_grad():
+        for i in (0, 2):
+            model[i].weight.copy_(nmcompile.masks.prune(model[i].weight, 2, 4, 1))
+    model.eval().requires_grad_(False)
+    nmcompile.finalize(model, pattern="2:4")
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(tmp, "dense.pt"))
+    pack_weights(model)
+    start = time.perf_counter()
+    program = torch.export.export(model, (torch.randn(8, 4096),), dynamic_shapes=({0: torch.export.Dim("tokens", min=1, max=4096)},))
+    package = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(tmp, "mlp.pt2"))
+    build_s = time.perf_counter() - start
+    child = subprocess.run([sys.executable, "-c", AOTI_CHILD, package, os.path.join(tmp, "dense.pt"), "1,8"],
+                           capture_output=True, text=True, check=True)
+    fresh = json.loads(child.stdout.strip().splitlines()[-1])
+    compiled = torch.compile(model, backend="nmsparse", dynamic=True)
+    here = {}
+    with torch.no_grad():
+        for count in (1, 8):
+            x = torch.randn(count, 4096)
+            here[count] = interleaved({"nmsparse": lambda: compiled(x), "eager packed": lambda: model(x)})
+    return {"package_build_s": build_s,
+            **{f"{count} tokens": {"fresh process dense ms": fresh[str(count)]["dense"], "fresh process aoti ms": fresh[str(count)]["aoti"],
+                                   "nmsparse compiled ms": here[count]["nmsparse"] * 1e3, "eager packed ms": here[count]["eager packed"] * 1e3}
+               for count in (1, 8)}}
+
+
 def render(result: dict) -> str:
     """Markdown tables of a result file: per layer (ratios to dense F.linear) and decode."""
     m = result["machine"]
@@ -239,6 +302,16 @@ def render(result: dict) -> str:
                   f"({r['memory ratio']:.2f}x); {r['packed layers']} layers packed, kernel ranges {', '.join(r['ranges'])}; "
                   f"same greedy tokens as {r.get('same greedy tokens as', 'dense eager')}: "
                   f"{r.get('same greedy tokens', r.get('same greedy tokens as dense eager'))}."]
+    if "aoti" in result:
+        a = result["aoti"]
+        lines += ["", f"AOTInductor package of a packed-only 2:4 MLP (4096 -> 11008 -> 4096, fp32; export + package "
+                  f"{a['package_build_s']:.0f} s), times in ms:", "",
+                  "| tokens | dense F.linear (fresh process) | package (fresh process) | nmsparse compiled | eager packed |",
+                  "| --- | --- | --- | --- | --- |"]
+        for count in (1, 8):
+            r = a[f"{count} tokens"]
+            lines.append(f"| {count} | {r['fresh process dense ms']:.2f} | {r['fresh process aoti ms']:.2f} | "
+                         f"{r['nmsparse compiled ms']:.2f} | {r['eager packed ms']:.2f} |")
     return "\n".join(lines)
 
 
@@ -246,7 +319,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out")
-    parser.add_argument("--skip", nargs="*", default=(), choices=("layers", "decode"))
+    parser.add_argument("--skip", nargs="*", default=(), choices=("layers", "decode", "aoti"))
     parser.add_argument("--render", help="print the markdown tables of a result file and exit")
     parser.add_argument("--decode-modes", nargs="+", default=("eager", "compiled"), choices=("eager", "compiled"))
     args = parser.parse_args()
@@ -274,6 +347,12 @@ def main() -> int:
     if "decode" not in args.skip:
         result["decode"] = decode(4 if args.quick else 24, DTYPES, new_tokens=16 if args.quick else 64,
                                   modes=tuple(args.decode_modes))
+        save()
+    if "aoti" not in args.skip:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result["aoti"] = aoti(tmp)
     result["bandwidth_gbps_after"] = bandwidth()
     save()
     return 0

@@ -3,8 +3,8 @@
 - :func:`pack_weights` turns each finalized 2:4 linear weight of a CPU model into a
   :class:`~nmcompile.kernels.packed_tensor.PackedLinearWeight` (values + position bits, about 53%
   of the dense bytes in fp32 and 56% in bf16/fp16), with the token range where the 2:4 CPU kernel
-  measured faster than dense on the layer's shape (above it, a call unpacks the weight for itself
-  and takes the dense GEMM);
+  measured faster, on the layer's shape, than unpacking the weight for the call and taking the
+  dense GEMM (which is what larger calls do);
 - :func:`load_packed` loads a packed checkpoint (:func:`nmcompile.deploy.pack_state_dict`) into a
   model, meta-device built or not, without making any dense 2:4 weight;
 - :func:`unpack_weights` gives the model its dense weights back (to train, or to export to ONNX).
@@ -40,12 +40,9 @@ def packed_names(model: nn.Module) -> list[str]:
 def _range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, measure: bool) -> tuple[int, tuple]:
     if not measure:
         return -1, ()
-    from ..kernels.cpu_dispatch import CPU_LADDER, _ratios
-    from ..kernels.dispatch import MARGIN
+    from ..kernels.cpu_dispatch import sparse_range
 
-    ratios = _ratios(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), CPU_LADDER)
-    faster = [count for count, ratio in ratios if ratio > MARGIN]
-    return (faster[-1] if faster and faster[0] == 1 else 0), ratios
+    return sparse_range(out_f, in_f, dtype, bias, isa, packed_only=True)
 
 
 def _set(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision) -> None:
@@ -60,8 +57,9 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
     A weight is packed when its record (from :func:`nmcompile.finalize`) says 2:4 along its
     reduction dim, it is a 2-D CPU tensor in fp32/bf16/fp16 with a reduction dim divisible by 16,
     and the 2:4 CPU kernel runs here; the others stay dense, with the reason in the returned
-    decision. ``measure``: time the kernel against dense on each shape (once per shape) and keep it
-    for the token counts where it won; larger calls unpack the weight for the call. Tied weights
+    decision. ``measure``: time the kernel on each shape (once per shape) against unpacking the
+    weight plus the dense GEMM, and keep it for the token counts where it won; larger calls unpack
+    the weight for the call. Without ``measure`` the kernel takes every token count. Tied weights
     are packed once. Idempotent.
     """
     state = cpu24.status()

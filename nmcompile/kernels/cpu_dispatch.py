@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import cpu24
 from .dispatch import MARGIN, Decision
 
-__all__ = ["measure_cpu", "CPU_LADDER", "time_pair"]
+__all__ = ["measure_cpu", "sparse_range", "CPU_LADDER", "time_pair"]
 
 #: token counts tried when the graph's token count is dynamic
 CPU_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -51,8 +51,11 @@ def time_pair(first, second, budget: float = RUNG_BUDGET) -> tuple[float, float]
 
 @functools.lru_cache(maxsize=64)
 def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, threads: int,
-            ladder: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
-    """``((tokens, dense / sparse time), ...)`` up to the first rung where sparse was not faster."""
+            ladder: tuple[int, ...], packed_only: bool = False) -> tuple[tuple[int, float], ...]:
+    """``((tokens, dense / sparse time), ...)`` up to the first rung where sparse was not faster.
+
+    ``packed_only``: the weight has no dense copy, so the alternative to the kernel is unpacking it
+    for the call and then the dense GEMM (what ``cpu24_linear`` does above ``max_tokens``)."""
     from .. import masks
     from .packed import pack
 
@@ -65,14 +68,28 @@ def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, thr
     with torch.no_grad():
         for tokens in ladder:
             x = torch.randn(tokens, in_f, generator=generator).to(dtype)
+            if packed_only:
+                def alternative():
+                    return torch.ops.nmsparse.cpu24_linear(x, values, bits, b, None, out_f, 0, isa)
+            else:
+                def alternative():
+                    return F.linear(x, w, b)
             dense, sparse = time_pair(
-                lambda: F.linear(x, w, b),
-                lambda: torch.ops.nmsparse.cpu24_linear(x, values, bits, b, None, out_f, -1, isa),
+                alternative, lambda: torch.ops.nmsparse.cpu24_linear(x, values, bits, b, None, out_f, -1, isa)
             )
             ratios.append((tokens, dense / sparse))
             if dense <= MARGIN * sparse:
                 break
     return tuple(ratios)
+
+
+def sparse_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
+                 packed_only: bool = False) -> tuple[int, tuple]:
+    """``(max_tokens, ratios)``: the largest rung up to which the kernel was faster at every rung (0:
+    not even at the first), and the measured ``((tokens, ratio), ...)``."""
+    ratios = _ratios(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only)
+    faster = [count for count, ratio in ratios if ratio > MARGIN]
+    return (faster[-1] if faster and faster[0] == ladder[0] else 0), ratios
 
 
 def measure_cpu(decision: Decision, weight: torch.Tensor, bias, tokens: int | None) -> Decision:
@@ -82,10 +99,9 @@ def measure_cpu(decision: Decision, weight: torch.Tensor, bias, tokens: int | No
         return decision  # forced: every token count, not timed
     ladder = CPU_LADDER if tokens is None else (max(tokens, 1),)
     out_f, in_f = weight.shape
-    ratios = _ratios(out_f, in_f, weight.dtype, bias is not None, decision.isa, torch.get_num_threads(), ladder)
-    faster = [count for count, ratio in ratios if ratio > MARGIN]
-    if not faster or faster[0] != ladder[0]:
+    max_tokens, ratios = sparse_range(out_f, in_f, weight.dtype, bias is not None, decision.isa, ladder)
+    if not max_tokens:
         count, ratio = ratios[0]
         return Decision("dense", f"the 2:4 CPU kernel ({decision.isa}) measured {ratio:.2f}x of dense at {count} "
                         "tokens", speedup=ratio, ratios=ratios)
-    return replace(decision, max_tokens=faster[-1], speedup=ratios[0][1], ratios=ratios)
+    return replace(decision, max_tokens=max_tokens, speedup=ratios[0][1], ratios=ratios)

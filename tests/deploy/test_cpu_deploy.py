@@ -77,7 +77,7 @@ def test_inductor_calls_the_kernel_as_an_extern_op():
 
 
 def _patched_ratios(monkeypatch, ratios):
-    def fake(out_f, in_f, dtype, bias, isa, threads, ladder):
+    def fake(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only=False):
         kept = []
         for count in ladder:
             ratio = ratios.get(count, 0.5)

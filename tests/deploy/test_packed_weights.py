@@ -199,3 +199,20 @@ def test_torch_export_and_aotinductor_package_keep_the_kernel_in_a_fresh_process
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "calls 2" in done.stdout, done.stdout[-1000:] + done.stderr[-2000:]
+
+
+def test_measured_range_compares_the_kernel_with_unpacking_plus_dense(monkeypatch):
+    from nmcompile.kernels import cpu_dispatch
+
+    calls = []
+
+    def fake(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only=False):
+        calls.append(packed_only)
+        return ((1, 3.0), (2, 2.5), (4, 1.5), (8, 0.9))
+
+    monkeypatch.setattr(cpu_dispatch, "_ratios", fake)
+    model = finalized()
+    decisions = pack_weights(model)
+    assert calls and all(calls)  # the alternative to a packed-only weight is unpack + dense, not dense
+    assert all(d.max_tokens == 4 and d.token_range == "1 to 4" for d in decisions.values())
+    assert model[0].weight.max_tokens == 4
