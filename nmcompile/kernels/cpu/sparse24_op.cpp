@@ -16,7 +16,7 @@
 
 namespace {
 
-int64_t isa_flags() {
+int64_t detect_isa_flags() {
   int64_t flags = 0;
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
@@ -26,6 +26,12 @@ int64_t isa_flags() {
       __builtin_cpu_supports("avx512vl"))
     flags |= 2;
   if ((flags & 2) && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512bf16")) flags |= 4;
+  return flags;
+}
+
+// once per process: CPUID traps to the hypervisor in a VM (microseconds), too slow for every call
+int64_t isa_flags() {
+  static const int64_t flags = detect_isa_flags();
   return flags;
 }
 
