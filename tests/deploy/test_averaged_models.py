@@ -48,3 +48,27 @@ def test_ema_without_averaged_buffers_keeps_the_models_masks_and_clock():
     assert torch.equal(ema.module[0].weight_nm_mask, model[0].weight_nm_mask)
     assert int(ema.module[0].weight_nm_step) == 4
     assert nmcompile.check(ema.module).ok
+
+
+@pytest.mark.parametrize("spec", ["asp:2:4", "bi_mask:2:4,every=1,candidates=8", "step:2:4,total_steps=8,t_min=0,t_max=0.25"])
+def test_integer_state_averaged_by_the_ema_function_is_not_ok(spec):
+    """Each recipe's integer state, averaged as get_ema_multi_avg_fn averages integer buffers
+    (``ema * 0.9 + model * 0.1``, rounded toward zero), is named by check."""
+    def net(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+        nmcompile.annotate(model, spec)
+        return model
+
+    ema, model = net(0), net(1)
+    if spec.startswith("step"):  # the model has switched (phase 2 from step 2), the average has not
+        for layer in (model[0], model[2]):
+            layer.weight_nm_phase.fill_(True)
+            layer.weight_nm_switch_step.fill_(2)
+            layer.weight_nm_step.fill_(2)
+    assert nmcompile.check(model).ok or spec.startswith("step")  # (STEP's weights are N:M once it runs)
+    average = get_ema_multi_avg_fn(0.9)
+    pairs = [(e, m) for e, m in zip(ema.buffers(), model.buffers()) if not torch.is_floating_point(e)]
+    average([e for e, _ in pairs], [m for _, m in pairs], None)
+    report = nmcompile.check(ema)
+    assert not report.ok and "use_buffers=False" in str(report), str(report)
