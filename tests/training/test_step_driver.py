@@ -97,3 +97,24 @@ def test_lbfgs_steps_a_compiled_model_with_a_schedule():
         model[0].weight.sub_(0.1 * model[0].weight.grad)
     with pytest.raises(RuntimeError, match="without a torch.optim.Optimizer step"):
         compiled(x)
+
+
+def test_check_finite_reads_the_gradient_a_closure_computes():
+    model = mlp()
+    nmcompile.annotate(model, "sr_ste:2:4")
+    compiled = torch.compile(model, backend="nmsparse", options=AOT)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    nmcompile.hook_optimizer(model, opt, check_finite=True)
+    x, y = batch()
+    x[0, 0] = float("inf")
+
+    def closure():
+        opt.zero_grad()
+        loss = ((compiled(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    before = model[0].weight.detach().clone()
+    with pytest.raises(FloatingPointError, match=r"gradient of '0\.weight'.*at optimizer step 1"):
+        opt.step(closure)
+    assert torch.equal(model[0].weight, before)
