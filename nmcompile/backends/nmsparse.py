@@ -181,6 +181,7 @@ class _CompiledNM:
         if (
             seen is not None and seen[0]() is param and param._version != seen[1]
             and step._version == seen[2] and module.training and torch.is_grad_enabled()
+            and not (self.driver is not None and self.driver.updating(param))  # LBFGS: within one step
         ):
             raise RuntimeError(
                 f"nmsparse: {slot.fqn!r} uses a recipe with a schedule on optimizer steps, and its weight "

@@ -21,10 +21,11 @@ class WeightCheck:
     dim: int
     groups: int
     violations: int  # groups with more than N non-zeros
+    problem: str = ""  # what is wrong with the recipe state behind the weight (a model's weights only)
 
     @property
     def ok(self) -> bool:
-        return self.violations == 0
+        return self.violations == 0 and not self.problem
 
 
 class CheckReport(dict):
@@ -52,12 +53,15 @@ class CheckReport(dict):
             lines = [f"N:M check{where}: {sum(c.ok for c in self.values())}/{len(self)} tensors comply"]
         for name, c in self.items():
             status = "ok" if c.ok else f"{c.violations}/{c.groups} groups violate"
+            if c.problem:
+                status = f"{c.violations}/{c.groups} groups violate; {c.problem}"
             lines.append(f"  {name}: {c.pattern} along dim {c.dim}: {status}")
         lines += [f"  - {name}: not checked ({why})" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
 
-def check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NMPattern, dim: int) -> None:
+def check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NMPattern, dim: int,
+              problem: str = "") -> None:
     if not -tensor.dim() <= dim < tensor.dim():
         raise ValueError(
             f"check: dim={dim} does not exist in {name!r} of shape {tuple(tensor.shape)}; dim is the grouping "
@@ -68,4 +72,4 @@ def check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NMP
         report.skipped[name] = reason
         return
     bad, total = masks.count_violations(tensor, pattern.n, pattern.m, dim)
-    report[name] = WeightCheck(pattern, dim, total, bad)
+    report[name] = WeightCheck(pattern, dim, total, bad, problem)

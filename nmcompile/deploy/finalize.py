@@ -119,7 +119,10 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     report = FinalizeReport()
     loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
-    for name, ann, weight in _effective(model):
+    broken: dict[str, str] = {}
+    for name, ann, weight in _effective(model, broken):
+        if name in broken:
+            continue
         nm, dim = ann.recipe.pattern, ann.dim
         bad, total = masks.count_violations(weight, nm.n, nm.m, dim)
         change = 0.0
@@ -132,6 +135,11 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             changed.append(f"{name}: {change:.3g}")
             weight = pruned
         baked.append((name, ann, weight, Deployed(nm, dim, str(ann.recipe), change)))
+    if broken:
+        raise ValueError(
+            "nmcompile.finalize: the recipe state of these layers is none their recipe makes, nothing was "
+            "changed:\n  " + "\n  ".join(f"{name}: {why}" for name, why in broken.items())
+        )
     if problems:
         raise ValueError(
             "nmcompile.finalize: these layers are not N:M yet, nothing was changed:\n  "

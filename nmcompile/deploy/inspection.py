@@ -17,8 +17,10 @@ from .state_dicts import find_state_dict, load_state_dict
 __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
 
 
-def _effective(model: nn.Module) -> Iterator[tuple[str, WeightAnnotation, torch.Tensor]]:
-    """``(name, annotation, effective weight)`` of every annotated weight."""
+def _effective(model: nn.Module, problems: dict | None = None) -> Iterator[tuple[str, WeightAnnotation, torch.Tensor]]:
+    """``(name, annotation, effective weight)`` of every annotated weight; ``problems`` (when given)
+    gets ``{name: what is wrong with its recipe state}`` for each weight whose state is none its
+    recipe makes."""
     with torch.no_grad():
         for name, places in owners(model):
             _, module, pname = places[0]
@@ -31,6 +33,10 @@ def _effective(model: nn.Module) -> Iterator[tuple[str, WeightAnnotation, torch.
                         f"{name} ({ann.recipe}) is on the meta device: its state is computed from real "
                         "weights; call model.to_empty(device=...) and initialise the weights first"
                     )
+                if problems is not None:
+                    problem = ann.recipe.state_problem(full(param.detach()), *(full(t) for t in state), dim=ann.dim)
+                    if problem is not None:
+                        problems[name] = _state_message(problem, ann.buffer_names(pname))
                 yield name, ann, ann.recipe.project(full(param.detach()), *state, dim=ann.dim)
 
 
@@ -42,6 +48,17 @@ def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     model has run.
     """
     return {name: weight for name, _, weight in _effective(model)}
+
+
+def _state_message(problem: str, buffers: tuple[str, ...]) -> str:
+    """A recipe state problem, with its usual cause and the fix."""
+    return (
+        f"{problem}: its recipe state ({', '.join(buffers)}) was not written by "
+        "nmcompile. Masks and step clocks must be copied, never averaged: "
+        "torch.optim.swa_utils.AveragedModel(..., use_buffers=True) averages every buffer, so build the "
+        "average with use_buffers=False (buffers are then copied from the model at each update), or load "
+        "the state from the trained model"
+    )
 
 
 def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> CheckReport:
@@ -63,8 +80,9 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
     pattern = None if pattern is None else NMPattern.of(pattern)
     report = CheckReport()
     if isinstance(obj, nn.Module):
-        for name, ann, weight in _effective(obj):
-            check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim)
+        problems: dict[str, str] = {}
+        for name, ann, weight in _effective(obj, problems):
+            check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim, problems.get(name, ""))
         for name, places in owners(obj):
             _, module, pname = places[0]
             record = deployed_of(module, pname)

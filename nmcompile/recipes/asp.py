@@ -40,6 +40,15 @@ class ASP(Recipe):
     def mask(self, weight, mask, dim):
         return mask.bool()
 
+    def state_problem(self, weight, mask, dim):
+        kept = (mask != 0).to(torch.uint8)
+        over, _ = masks.count_violations(kept, self.n, self.m, dim)  # more than N kept in a group
+        under, _ = masks.count_violations(1 - kept, self.m - self.n, self.m, dim)  # fewer than N
+        if bool(((mask != 0) & (mask != 1)).any()) or over or under:
+            density = float((mask != 0).float().mean())
+            return f"its stored mask is not a {self.n}:{self.m} mask (density {density:.2f}, expected {self.n / self.m:.2f})"
+        return None
+
     @property
     def prepares_model(self) -> bool:
         return self.permute

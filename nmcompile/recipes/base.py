@@ -41,6 +41,9 @@ class Recipe:
     #: the projection's shapes depend on the step (a schedule of N:M patterns): the backend
     #: compiles one graph per frame, see :meth:`frame_at`
     framed: ClassVar[bool] = False
+    #: :meth:`before_step` reads the step's gradients: with ``optimizer.step(closure)`` the closure is
+    #: evaluated before it (see :mod:`nmcompile.training.optimizer_hook`)
+    reads_gradients: ClassVar[bool] = False
 
     n: int = 2  # kept weights per group
     m: int = 4  # group size along the reduction dimension
@@ -136,6 +139,15 @@ class Recipe:
     def mask(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
         """The boolean mask the forward applies now (diagnostics: flip rate, SAD)."""
         return masks.keep_mask(weight.detach(), self.n, self.m, dim)
+
+    def state_problem(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> str | None:
+        """What makes ``state`` something this recipe never stores (a mask that is not N:M, a negative
+        step clock), or None. Read by :func:`nmcompile.check`; one pass over the state."""
+        if self.clocked:
+            step = state[self.state_names.index("step")]
+            if int(step) < 0:
+                return f"its step clock reads {int(step)}"
+        return None
 
     def frame_at(self, step: int) -> int:
         """Index of the schedule frame at optimizer step ``step`` (framed recipes only)."""

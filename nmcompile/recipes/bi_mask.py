@@ -118,6 +118,11 @@ class BiMask(Recipe):
     def dgrad_order(self, step, perm):
         return perm
 
+    def state_problem(self, weight, step, perm, dim):
+        if not torch.equal(perm.sort().values, torch.arange(perm.numel(), device=perm.device)):
+            return "its stored row order (perm) is not a permutation"
+        return super().state_problem(weight, step, perm, dim=dim)
+
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
             if w.step % self.every == 0:

@@ -45,6 +45,7 @@ class STEP(Recipe):
     name = "step"
     state_names = ("step", "phase", "switch_step", "z", "v")
     clocked = True
+    reads_gradients = True
 
     total_steps: int = 0  # required: the run's number of optimizer steps
     t_min: float = 0.1  # AutoSwitch may fire after this fraction of total_steps
@@ -94,6 +95,12 @@ class STEP(Recipe):
 
     def forward_gate(self, step, phase, switch_step, z, v):
         return phase  # N:M only after the switch
+
+    def state_problem(self, weight, step, phase, switch_step, z, v, dim):
+        switched, at, now = bool(phase), int(switch_step), int(step)
+        if switched != (at >= 1) or at > now:
+            return f"its phase ({int(switched) + 1}), switch step ({at}) and step clock ({now}) disagree"
+        return super().state_problem(weight, step, phase, switch_step, z, v, dim=dim)
 
     # ---- optimizer time (see nmcompile.training.optimizer_hook) ----
 

@@ -89,6 +89,15 @@ class Transposable(Recipe):
     def mask(self, weight, step, mask, dim):
         return mask.bool()
 
+    def state_problem(self, weight, step, mask, dim):
+        tiles = mask.movedim(tuple(range(mask.dim() - 2)), tuple(range(2 - mask.dim(), 0))) \
+            if is_stacked(mask.dim(), dim) else mask
+        if bool(((mask != 0) & (mask != 1)).any()) or not masks.is_transposable(tiles, self.n, self.m):
+            density = float((mask != 0).float().mean())
+            return (f"its stored mask is not a transposable {self.n}:{self.m} mask (density {density:.2f}, "
+                    f"expected {self.n / self.m:.2f})")
+        return super().state_problem(weight, step, mask, dim=dim)
+
     def after_step(self, weights, optimizer) -> None:
         for w in weights:
             if w.step % self.every == 0:  # the weights after this step, as the next forward sees them

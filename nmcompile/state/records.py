@@ -13,6 +13,7 @@ copies them with the module. A recipe's state tensors are buffers of the same mo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
@@ -97,6 +98,18 @@ class WeightAnnotation:
     kernels: object = field(default=None, compare=False, repr=False)
 
     __hash__ = None  # mutable (pending); compare by (recipe, dim)
+
+    def __deepcopy__(self, memo) -> WeightAnnotation:
+        """A copy whose module (a ``copy.deepcopy`` of the model) the step driver watches as it does
+        the original's: a copied model counts its steps and is named when it trains dense."""
+        copied = copy.copy(self)
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            copied.__dict__[key] = copy.deepcopy(value, memo)
+        adopt = getattr(copied.driver, "adopt_copy", None)
+        if adopt is not None:
+            adopt(self, memo)
+        return copied
 
     def buffer_names(self, param_name: str) -> tuple[str, ...]:
         return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)

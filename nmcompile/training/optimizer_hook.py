@@ -16,7 +16,12 @@ modules the driver watches that this optimizer updates:
    ``after_step`` runs its schedule (refresh a mask every k steps, re-search a permutation).
 
 An optimizer step that does not run (a gradient scaler skipping a step with inf gradients) counts
-nothing, and gradient accumulation counts one per ``step()``. The driver also names, once, each
+nothing, and gradient accumulation counts one per ``step()``. With ``step(closure)``, a closure that
+the pre-step work needs (STEP's, the finite check's gradients) is evaluated before that work when the
+optimizer evaluates it once (every ``torch.optim`` optimizer but LBFGS), and the step returns its
+loss; the forwards of a closure evaluated several times (LBFGS) are known to run inside the step. A
+weight with a schedule that a second optimizer steps with the gradient the first one used is refused
+(it would count two steps per iteration). A ``copy.deepcopy`` of a watched module is watched too. The driver also names, once, each
 declared weight that gets a gradient although no ``nmsparse`` graph has used it: a layer that
 trains dense without a word is the failure this guards against. :func:`hook_optimizer` adds mask
 diagnostics and a finite check for one optimizer; calling it again replaces its settings.
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..state import records
 from ..state.records import WeightAnnotation, state_dict_of
@@ -86,6 +92,9 @@ class StepDriver:
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _PerOptimizer
         # compiled module -> [plan, route, names already named or warned about] (options, NMSPARSE_RECIPE)
         self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # parameter -> (optimizer, gradient, its version) of the last step that advanced its clock
+        self.last_step: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.closures: list[set[int]] = []  # ids of the parameters of each optimizer whose closure runs now
         ref = weakref.ref(self)
         handles = [
             register_optimizer_step_pre_hook(functools.partial(_call, ref, "before")),
@@ -155,6 +164,20 @@ class StepDriver:
             names = self.watched[module] = {}
         names.setdefault(pname, name)
 
+    def adopt_copy(self, ann: WeightAnnotation, memo: dict) -> None:
+        """Watch the copy of the module that holds ``ann`` in a ``copy.deepcopy`` in progress (``memo``)."""
+        key = "nmcompile: watched records"  # one walk over the watched modules per deepcopy
+        holders = memo.get(key)
+        if holders is None:
+            holders = memo[key] = {
+                id(record): (module, pname, names.get(pname, pname))
+                for module, names in list(self.watched.items())
+                for pname, record in records.table(module, records.RECIPES).items()
+            }
+        held = holders.get(id(ann))
+        if held is not None and id(held[0]) in memo:
+            self.watch_module(memo[id(held[0])], held[1], held[2])
+
     def _groups(self, optimizer, per: _PerOptimizer, every_weight: bool) -> dict:
         """``{recipe: [Tracked]}`` of the weights this step has work for: those with a schedule, those
         no graph has used yet (see :func:`_warn_if_never_compiled`), and all with ``every_weight``
@@ -177,7 +200,12 @@ class StepDriver:
         per.tracked = tracked
         return groups
 
-    def before(self, optimizer) -> None:
+    def updating(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` belongs to an optimizer whose step is evaluating its closure now (LBFGS
+        changes the weights between the evaluations of one step)."""
+        return any(id(param) in ids for ids in self.closures)
+
+    def before(self, optimizer, args=(), kwargs=None):
         per = self.optimizers.get(optimizer)
         if per is None:
             per = self.optimizers[optimizer] = _PerOptimizer()
@@ -185,12 +213,39 @@ class StepDriver:
         with torch.no_grad():
             every_weight = settings is not None and bool(settings.check_finite or settings.diagnostics_every)
             per.groups = self._groups(optimizer, per, every_weight)
-            if settings is not None and settings.check_finite:
+        checks = settings is not None and settings.check_finite
+        evaluated = False
+        if per.groups:
+            args, kwargs, evaluated = _closure_first(self, optimizer, per.groups, checks, args, kwargs or {})
+        with torch.no_grad():
+            self._raise_if_counted(optimizer, per.groups)
+            if checks:
                 _raise_if_not_finite(per.groups, per.steps + 1)
             _warn_if_never_compiled(per.groups)
             self._plan_dense(optimizer)
             for recipe, weights in per.groups.items():
                 recipe.before_step(weights, optimizer)
+        return (args, kwargs) if evaluated else None
+
+    def _raise_if_counted(self, optimizer, groups) -> None:
+        """Refuse a second optimizer's step on a clocked weight with the gradient another one used."""
+        for recipe, weights in groups.items():
+            if not recipe.clocked:
+                continue
+            for w in weights:
+                last = self.last_step.get(w.param)
+                grad = w.param.grad
+                if last is None or grad is None or last[1]() is not grad or last[2] != grad._version:
+                    continue
+                other = last[0]()
+                if other is not None and other is not optimizer:
+                    raise ValueError(
+                        f"nmcompile: {w.name!r} ({recipe}) is updated by two optimizers, "
+                        f"{type(other).__name__} and then {type(optimizer).__name__}, from the same gradient, "
+                        "so its schedule would count two optimizer steps per iteration. Give each annotated "
+                        "weight to one optimizer (separate parameter groups of one optimizer can hold "
+                        "different settings)"
+                    )
 
     def after(self, optimizer) -> None:
         per = self.optimizers.get(optimizer)
@@ -205,6 +260,11 @@ class StepDriver:
                 for w in weights:
                     w.step = w.ann.clock.advance(w.state["step"]) if recipe.clocked else per.steps
                 recipe.after_step(weights, optimizer)
+                if recipe.clocked:
+                    for w in weights:
+                        grad = w.param.grad
+                        if grad is not None:
+                            self.last_step[w.param] = (weakref.ref(optimizer), weakref.ref(grad), grad._version)
                 if record:
                     mask_of = _mask_fn(per, recipe)
                     for w in weights:
@@ -212,10 +272,64 @@ class StepDriver:
         per.groups = {}
 
 
-def _call(ref, what: str, optimizer, *args) -> None:
+def _call(ref, what: str, optimizer, args, kwargs):
     driver = ref()
     if driver is not None:
-        getattr(driver, what)(optimizer)
+        return getattr(driver, what)(optimizer, args, kwargs) if what == "before" else driver.after(optimizer)
+    return None
+
+
+def _closure_first(driver: StepDriver, optimizer, groups, checks: bool, args, kwargs):
+    """``(args, kwargs, replaced)`` for ``optimizer.step(closure)``.
+
+    The pre-step work reads this step's gradients (STEP's statistic and its own update, the finite
+    check), but a closure computes them inside the step, after the pre-step hook. For
+    ``torch.optim`` optimizers that evaluate the closure once, first thing in ``step()`` (all but
+    LBFGS), it is evaluated here and the step gets a closure that returns the same loss, so
+    ``step(closure)`` trains exactly as ``backward(); step()``. Any other closure is wrapped so
+    that the compiled forwards it runs know the weights change inside an optimizer step.
+    """
+    closure, where = (args[1], 1) if len(args) > 1 else (kwargs.get("closure"), None)
+    if closure is None:
+        return args, kwargs, False
+    reads = checks or any(recipe.reads_gradients for recipe in groups)
+    if reads and _evaluates_closure_once(optimizer):
+        with torch.enable_grad():
+            loss = closure()
+        replacement = functools.partial(_evaluated, loss)
+    elif reads and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(
+            f"nmcompile: {type(optimizer).__name__}.step(closure) is not torch.optim's own step, so nmcompile "
+            "cannot tell when it computes the gradients that its pre-step work reads (STEP's statistic and "
+            "update, check_finite); call loss.backward() and then optimizer.step() without a closure"
+        )
+    else:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        replacement = functools.partial(_in_step, driver, ids, closure)
+    if where is None:
+        return args, {**kwargs, "closure": replacement}, True
+    return (*args[:1], replacement, *args[2:]), kwargs, True
+
+
+def _evaluates_closure_once(optimizer) -> bool:
+    """Whether ``optimizer.step`` is a ``torch.optim`` step that calls its closure once, before it reads
+    any gradient (every torch.optim optimizer but LBFGS)."""
+    step = type(optimizer).step
+    step = getattr(step, "__wrapped__", step)
+    module = getattr(step, "__module__", "") or ""
+    return module.startswith("torch.optim.") and not isinstance(optimizer, torch.optim.LBFGS)
+
+
+def _evaluated(loss):
+    return loss
+
+
+def _in_step(driver: StepDriver, ids: set, closure):
+    driver.closures.append(ids)
+    try:
+        return closure()
+    finally:
+        driver.closures.remove(ids)
 
 
 def _remove(handles) -> None:
@@ -350,4 +464,28 @@ def hook_optimizer(
         raise ValueError(f"hook_optimizer: diagnostics_every must be an int >= 0, got {diagnostics_every!r}")
     if not isinstance(check_finite, bool):
         raise TypeError(f"hook_optimizer: check_finite must be True or False, got {check_finite!r}")
+    _raise_if_not_its_optimizer(model, optimizer)
     return OptimizerHook(model, optimizer, diagnostics_every, check_finite)
+
+
+def _raise_if_not_its_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that updates none of ``model``'s annotated weights (or, before any record
+    exists, none of its parameters): its diagnostics and finite check would look at nothing."""
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    declared, shared = [], False
+    for name, places in records.owners(model):
+        _, module, pname = places[0]
+        if id(module._parameters[pname]) in in_optimizer:
+            shared = True
+            if records.get(module, records.RECIPES, pname) is not None:
+                return
+        elif records.get(module, records.RECIPES, pname) is not None:
+            declared.append(name)
+    if declared or not shared:
+        what = f"annotated weights ({', '.join(declared[:4])}{' ...' if len(declared) > 4 else ''})" if declared \
+            else "parameters"
+        raise ValueError(
+            f"hook_optimizer: the {type(optimizer).__name__} updates none of the model's {what}, so its "
+            "diagnostics and finite check would look at nothing; pass the optimizer built from this model's "
+            "parameters (e.g. torch.optim.AdamW(model.parameters()))"
+        )

@@ -183,6 +183,7 @@ def test_recipes_per_expert(recipe):
             opt.step()
     effective = nmcompile.effective_weights(model)["weight"]
     assert violations(effective, -2) == 0, recipe
+    assert nmcompile.check(model).ok, recipe  # the recipe state of each expert is what the recipe makes
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), x @ effective)
     name = recipe.split(":")[0]

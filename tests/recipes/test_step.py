@@ -211,3 +211,50 @@ def test_option_2_zero_changes_are_neutral():
     ref_model = mlp()
     *_, means = reference_run(ref_model, data, recipe, z_option=2, eps=eps)
     assert min(means) >= eps
+
+
+def closure_run(model, data, recipe):
+    """``nm_run`` with the gradients computed in a closure: ``optimizer.step(closure)``."""
+    nmcompile.annotate(model, recipe)
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses, weights = [], []
+    for x, y in data:
+        def closure():
+            opt.zero_grad()
+            loss = ((compiled(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+        losses.append(opt.step(closure).detach())
+        weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return losses, weights
+
+
+def test_step_with_a_closure_follows_the_plain_loop():
+    """``opt.step(closure)`` computes the gradients inside the step: STEP's statistic and its
+    frozen-moment update must read those, not the previous step's, before and after the switch."""
+    recipe = recipes.STEP(total_steps=16, t_min=0.1, t_max=0.25, beta2=BETAS[1])  # switch by step 4
+    data = batches(9)
+    plain, with_closure = mlp(), mlp()
+    plain_weights = []
+    nmcompile.annotate(plain, recipe)
+    compiled = torch.compile(plain, backend="nmsparse", options={"inner": "aot_eager"})
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    plain_losses = []
+    for x, y in data:
+        loss = ((compiled(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        plain_losses.append(loss.detach())
+        plain_weights.append({name: p.detach().clone() for name, p in plain.named_parameters()})
+    losses, weights = closure_run(with_closure, data, recipe)
+    switch = int(plain[0].weight_nm_switch_step)
+    assert 1 < switch <= 4 and int(with_closure[0].weight_nm_switch_step) == switch
+    torch.testing.assert_close(with_closure[0].weight_nm_v, plain[0].weight_nm_v)
+    torch.testing.assert_close(nmcompile.diagnostics(with_closure)["0.weight"]["z"],
+                               nmcompile.diagnostics(plain)["0.weight"]["z"])
+    torch.testing.assert_close(torch.stack(losses), torch.stack(plain_losses))
+    for step, (got, want) in enumerate(zip(weights, plain_weights), start=1):  # phase 1, the switch, phase 2
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=f"{name} after step {step}")
