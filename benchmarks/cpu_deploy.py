@@ -282,9 +282,10 @@ def render(result: dict) -> str:
             lines.append(f"| {r['dtype']} | [{r['out']}, {r['in']}] | {r['weight_mb']:.0f} | {r['tokens']} | {r['dense_ms']:.3f} | "
                          f"{r['inductor_x']:.2f}x | {r['autotune_x']:.2f}x | {r['nm_auto_x']:.2f}x | {r['nm_forced_x']:.2f}x | "
                          f"{r['forced_gbps']:.1f} |")
-        lines += ["", "What `auto` chose per layer (the deploy report):", ""]
+        recorded = [r for r in result["layers"] if not r["auto_decision"].startswith("(not recorded")]
+        lines += ["", "What `auto` chose per layer (the deploy report):", ""] if recorded else []
         seen = set()
-        for r in result["layers"]:
+        for r in recorded:
             key = (r["dtype"], r["out"], r["in"])
             if key not in seen:
                 seen.add(key)
