@@ -26,6 +26,10 @@ __all__ = ["Packed24", "pack", "unpack", "cutlass_meta", "row_meta", "pack_state
 
 META_SUFFIX = ".nm24_meta"
 GROUPS_PER_WORD = 4
+#: the multiples CUTLASS's metadata order takes: rows by 32 (its row interleave) and the last dim
+#: by 32 (two 16-bit words of four groups each: the words are swapped in pairs of columns and
+#: stored ColumnMajorInterleaved<2>, so a last dim of 16 times an odd number has no place in it)
+CUTLASS_ROWS, CUTLASS_COLS = 32, 32
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,14 @@ class Packed24:
 
     def cutlass(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values, meta)`` in the layout ``torch._sparse_semi_structured_linear`` takes (2-D fp16/bf16,
-        rows divisible by 32): the same values, the metadata words in CUTLASS's interleaved order."""
+        rows and last dim divisible by 32): the same values, the metadata words in CUTLASS's
+        interleaved order. PyTorch's CUTLASS kernels need the last dim by 64 on top of that."""
         if self.values.dim() != 2 or self.values.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the CUTLASS layout takes 2-D fp16/bf16 weights, got {tuple(self.shape)} {self.values.dtype}")
-        return self.values, cutlass_meta(self.meta)
+            raise ValueError(
+                f"Packed24.cutlass: the CUTLASS layout takes 2-D fp16/bf16 weights, got {tuple(self.shape)} "
+                f"{self.values.dtype}; cast the weight (w.half()) before nmcompile.pack"
+            )
+        return self.values, cutlass_meta(self.meta, what=f"Packed24.cutlass of a {list(self.shape)} weight")
 
     @classmethod
     def from_cutlass(cls, values: torch.Tensor, meta: torch.Tensor) -> "Packed24":
@@ -54,27 +62,33 @@ class Packed24:
         return cls(values, row_meta(meta))
 
 
-def _meta_offsets(meta: torch.Tensor) -> torch.Tensor:
+def _meta_offsets(meta: torch.Tensor, what: str) -> torch.Tensor:
     from torch.sparse._semi_structured_conversions import _calculate_meta_reordering_scatter_offsets
 
     if meta.dim() != 2 or meta.dtype != torch.int16:
-        raise ValueError(f"the CUTLASS metadata order is defined for 2-D int16 metadata, got {tuple(meta.shape)} {meta.dtype}")
+        raise ValueError(f"{what}: the CUTLASS metadata order is defined for 2-D int16 metadata, got {tuple(meta.shape)} {meta.dtype}")
     rows, words = meta.shape
-    if rows % 32:
-        raise ValueError(f"the CUTLASS layout needs rows divisible by 32, got {rows}")
+    cols = words * 4 * GROUPS_PER_WORD
+    if rows % CUTLASS_ROWS or cols % CUTLASS_COLS:
+        raise ValueError(
+            f"{what}: the CUTLASS layout needs rows divisible by {CUTLASS_ROWS} and a last (reduction) dim divisible "
+            f"by {CUTLASS_COLS} (its metadata words are interleaved in pairs), got {rows} rows and a last dim of "
+            f"{cols}; pad the weight to those multiples (PyTorch's CUTLASS 2:4 kernels need the last dim by 64)"
+        )
     return _calculate_meta_reordering_scatter_offsets(rows, words, torch.int16, meta.device)
 
 
-def cutlass_meta(meta: torch.Tensor) -> torch.Tensor:
-    """Row-order metadata ``[rows, K/16]`` (rows divisible by 32) in CUTLASS's interleaved order."""
+def cutlass_meta(meta: torch.Tensor, what: str = "nmcompile cutlass_meta") -> torch.Tensor:
+    """Row-order metadata ``[rows, K/16]`` (rows and ``K`` divisible by 32) in CUTLASS's interleaved
+    order. ``what`` names the caller in errors."""
     reordered = torch.empty_like(meta)
-    reordered.view(-1).scatter_(0, _meta_offsets(meta), meta.reshape(-1))
+    reordered.view(-1).scatter_(0, _meta_offsets(meta, what), meta.reshape(-1))
     return reordered
 
 
-def row_meta(meta: torch.Tensor) -> torch.Tensor:
+def row_meta(meta: torch.Tensor, what: str = "nmcompile row_meta") -> torch.Tensor:
     """CUTLASS-ordered metadata back in row order (the inverse of :func:`cutlass_meta`)."""
-    return meta.reshape(-1).gather(0, _meta_offsets(meta)).view(meta.shape)
+    return meta.reshape(-1).gather(0, _meta_offsets(meta, what)).view(meta.shape)
 
 
 def _check_24(weight: torch.Tensor, what: str) -> None:
