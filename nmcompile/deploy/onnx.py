@@ -20,7 +20,7 @@ from torch import nn
 
 from ..state.records import annotation_of, deployed_of
 from ..state.records import owners
-from .compliance import CheckReport, check_one
+from .compliance import CheckReport, check_one, selects
 from ..pattern import NMPattern
 
 __all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]
@@ -187,13 +187,14 @@ def _compare_with_onnxruntime(path: str, args, expected) -> float:
     return worst
 
 
-def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1) -> CheckReport:
+def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=None) -> CheckReport:
     """N:M compliance of an ONNX file's initializers.
 
     Initializers recorded by :func:`export_onnx` are checked with their recorded pattern and axis;
     without a record, every >= 2-D floating initializer is checked with ``pattern`` (default 2:4)
-    along ``dim``. A file that is not an ONNX model (empty, truncated, corrupt) raises ValueError;
-    a model without such initializers gives a report that is not ok.
+    along ``dim``. ``only``: glob pattern(s) of the initializer names to check (default: all). A
+    file that is not an ONNX model (empty, truncated, corrupt) raises ValueError; a model without
+    such initializers gives a report that is not ok.
     """
     onnx = _import("onnx")
     from google.protobuf.message import DecodeError
@@ -209,7 +210,7 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1) -> Check
     recorded = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
     report = CheckReport()
     for init in proto.graph.initializer:
-        if len(init.dims) < 2:
+        if len(init.dims) < 2 or not selects(report, init.name, only):
             continue
         array = numpy_helper.to_array(init)
         if array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":
