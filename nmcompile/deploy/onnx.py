@@ -187,14 +187,48 @@ def _compare_with_onnxruntime(path: str, args, expected) -> float:
     return worst
 
 
+def _recorded(path: str, meta: dict) -> dict | None:
+    """The ``{initializer: {"pattern": "N:M", "axis": k, ...}}`` record :func:`export_onnx` wrote in
+    the file's metadata, or None without one; ValueError naming what is wrong with a damaged one."""
+    if METADATA_KEY not in meta:
+        return None
+    fix = (
+        f"export the model again with nmcompile.export_onnx, or remove the metadata_props entry {METADATA_KEY!r} "
+        "to check every initializer with --pattern and --dim"
+    )
+    try:
+        recorded = json.loads(meta[METADATA_KEY])
+    except ValueError as err:
+        raise ValueError(
+            f"{path}: nmcompile's record of the N:M initializers (metadata_props {METADATA_KEY!r}) is damaged: not "
+            f"valid JSON ({err}); {fix}"
+        ) from None
+    if not isinstance(recorded, dict):
+        raise ValueError(
+            f"{path}: nmcompile's record {METADATA_KEY!r} is damaged: expected a JSON object of initializers, got "
+            f"{type(recorded).__name__}; {fix}"
+        )
+    for name, entry in recorded.items():
+        try:
+            n, m = (int(v) for v in entry["pattern"].split(":"))
+            NMPattern(n, m)
+            int(entry["axis"])
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise ValueError(
+                f"{path}: nmcompile's record {METADATA_KEY!r} is damaged at initializer {name!r}: expected "
+                f'{{"pattern": "N:M", "axis": k}}, got {entry!r}; {fix}'
+            ) from None
+    return recorded
+
+
 def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=None) -> CheckReport:
     """N:M compliance of an ONNX file's initializers.
 
     Initializers recorded by :func:`export_onnx` are checked with their recorded pattern and axis;
     without a record, every >= 2-D floating initializer is checked with ``pattern`` (default 2:4)
     along ``dim``. ``only``: glob pattern(s) of the initializer names to check (default: all). A
-    file that is not an ONNX model (empty, truncated, corrupt) raises ValueError; a model without
-    such initializers gives a report that is not ok.
+    file that is not an ONNX model (empty, truncated, corrupt) or whose record is damaged raises
+    ValueError; a model without such initializers gives a report that is not ok.
     """
     onnx = _import("onnx")
     from google.protobuf.message import DecodeError
@@ -207,7 +241,7 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=Non
     if not proto.HasField("graph"):
         raise ValueError(f"{os.fspath(path)}: not an ONNX model: it holds no graph (an empty or truncated file?)")
     meta = {p.key: p.value for p in proto.metadata_props}
-    recorded = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
+    recorded = _recorded(os.fspath(path), meta)
     report = CheckReport()
     for init in proto.graph.initializer:
         if len(init.dims) < 2 or not selects(report, init.name, only):

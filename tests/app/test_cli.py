@@ -52,6 +52,9 @@ def unreadable_files(tmp_path):
     torch.save(sd, tmp_path / "full.pt")
     whole = (tmp_path / "full.pt").read_bytes()
     files["truncated.pt"] = whole[: len(whole) // 2]
+    torch.save({"fc.weight": nmcompile.masks.prune(torch.randn(64, 128), 2, 4, 1)}, tmp_path / "large.pt")
+    large = (tmp_path / "large.pt").read_bytes()
+    files["truncated-large.pt"] = large[: len(large) // 2]  # cut after the first 4 kB: OSError [Errno 22] in the zip reader
     files["garbage.pt"] = b"hello, this is not a checkpoint"
     files["plain-pickle.pt"] = pickle.dumps({"fc.weight": [1.0, 2.0]}, protocol=4)
     for name, content in files.items():

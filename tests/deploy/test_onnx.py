@@ -101,3 +101,23 @@ def test_half_precision_exports_and_bfloat16_says_why_it_cannot_be_compared(tmp_
         nmcompile.export_onnx(model.bfloat16(), torch.randn(4, 32, dtype=torch.bfloat16), path)
     assert nmcompile.check(path).ok  # the file itself is fine
     assert nmcompile.export_onnx(model, torch.randn(4, 32, dtype=torch.bfloat16), path, verify=False).max_abs_diff is None
+
+
+def test_a_damaged_nmcompile_record_is_named_and_exits_2(tmp_path, capsys):
+    model = finalized(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    path = tmp_path / "m.onnx"
+    nmcompile.export_onnx(model, torch.randn(4, 32), path)
+    proto = onnx.load(str(path))
+    good = proto.metadata_props[0].value
+    for damaged, what in (
+        (good[: len(good) // 2], "not valid JSON"),
+        ("[1, 2]", "expected a JSON object of initializers, got list"),
+        (good.replace('"2:4"', '"two of four"', 1), "damaged at initializer '0.weight'"),
+    ):
+        proto.metadata_props[0].value = damaged
+        onnx.save(proto, str(path))
+        assert cli(["check", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"nmcompile check: {path}: nmcompile's record") and what in err, err
+        assert METADATA_KEY in err and "export the model again with nmcompile.export_onnx" in err
+        assert err.count("\n") == 1
