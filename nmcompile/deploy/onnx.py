@@ -11,8 +11,11 @@ file later without the model. Requires ``onnx``, ``onnxscript`` and ``onnxruntim
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +92,29 @@ def _find_initializer(proto, numpy_helper, name: str, weight: torch.Tensor):
     return None, False
 
 
+class _DropTorchvisionNotice(logging.Filter):
+    """Drops the exporter's "torchvision is not installed. Skipping torchvision::nms" lines (one per
+    torchvision op in its registry, logged at every export; nmcompile's models use none of them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("torchvision is not installed")
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """PyTorch's exporter's own noise, silenced for one export and restored after it: the torchvision
+    lines above and the pytree ``LeafSpec`` deprecation (a FutureWarning from PyTorch's internals)."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    drop = _DropTorchvisionNotice()
+    logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+            yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def _tensors(args) -> tuple:
     return args if isinstance(args, tuple) else (args,)
 
@@ -136,7 +162,8 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         export_kwargs["opset_version"] = opset
     path = os.fspath(path)
     export_kwargs.setdefault("verbose", False)  # the exporter's step-by-step progress lines
-    torch.onnx.export(model, args, path, dynamo=True, **export_kwargs)
+    with _quiet_exporter():
+        torch.onnx.export(model, args, path, dynamo=True, **export_kwargs)
     proto = onnx.load(path)
     params = dict(model.named_parameters())
     entries = {}

@@ -121,3 +121,21 @@ def test_a_damaged_nmcompile_record_is_named_and_exits_2(tmp_path, capsys):
         assert err.startswith(f"nmcompile check: {path}: nmcompile's record") and what in err, err
         assert METADATA_KEY in err and "export the model again with nmcompile.export_onnx" in err
         assert err.count("\n") == 1
+
+
+def test_export_keeps_the_exporters_noise_to_itself(tmp_path, capfd, caplog):
+    import logging
+    import warnings
+
+    model = finalized(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    filters = list(registration.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nmcompile.export_onnx(model, torch.randn(4, 32), tmp_path / "m.onnx")
+        warnings.warn("after the export", FutureWarning)  # the user's own filters are back
+    err = capfd.readouterr().err
+    assert "torchvision is not installed" not in err and "torchvision" not in caplog.text
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == ["after the export"]
+    assert registration.filters == filters  # the logging filter was scoped to the export
