@@ -40,7 +40,7 @@ def _check(args) -> int:
         return EXIT_UNREADABLE
     if not report.ok and not args.only:
         print(
-            "nmcompile check: a state dict holds every weight of the model, also those never declared N:M "
+            "nmcompile check: the file holds every weight of the model, also those never declared N:M "
             "(embeddings, a head left out with exclude=...), which stay dense; to check the declared weights only, "
             "name them with --only GLOB (repeatable), e.g. --only 'blocks.*.weight'",
             file=sys.stderr,
