@@ -97,3 +97,47 @@ def test_every_stage_imports_only_earlier_stages():
                 wrong.append(f"{module} imports {target}")
     assert found > 50  # the scan saw the package's imports
     assert not wrong, "a stage imports a later one:\n" + "\n".join(wrong)
+
+
+def _readme_recipe_defaults() -> dict[str, dict[str, str | None]]:
+    """``{recipe: {key: default as written, or None when only named, "required"}}`` from the README's
+    recipe table (its first column: ``name`` (``key``=default, ``key`` required, ``key``, ...))."""
+    table = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        found = re.match(r"\| `(\w+)`(?: \((.*?)\))? \|", line)
+        if not found or found.group(1) not in nmcompile.recipes.RECIPES:
+            continue
+        keys = {}
+        for part in filter(None, (found.group(2) or "").split(", ")):
+            item = re.match(r"`(\w+)`(=(.+)| required)?$", part)
+            assert item, f"README recipe table, {found.group(1)}: cannot read {part!r}"
+            keys[item.group(1)] = "required" if item.group(2) == " required" else item.group(3)
+        table[found.group(1)] = keys
+    return table
+
+
+def _as_default(text: str, default):
+    first = text.split("\\|")[0].strip("`")  # exp\|linear: the first choice is the default
+    if isinstance(default, bool):
+        return {"on": True, "off": False}[first]
+    if isinstance(default, (int, float)):
+        return type(default)(float(first))
+    return first
+
+
+def test_readme_recipe_table_gives_the_dataclasses_keys_and_defaults():
+    import dataclasses
+
+    table = _readme_recipe_defaults()
+    assert sorted(table) == sorted(nmcompile.recipes.RECIPES)
+    for name, keys in table.items():
+        cls = nmcompile.recipes.RECIPES[name]
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("n", "m", "wgrad")}
+        assert sorted(keys) == sorted(fields), f"README recipe table, {name}: keys {sorted(keys)}, dataclass {sorted(fields)}"
+        for key, text in keys.items():
+            if text == "required":
+                with pytest.raises(ValueError, match=key):
+                    cls()
+            elif text is not None:
+                default = fields[key].default
+                assert _as_default(text, default) == default, f"README recipe table: {name} {key}={text}, default {default!r}"

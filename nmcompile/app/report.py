@@ -4,7 +4,9 @@ through :func:`save_run`.
 :func:`write_report` writes into the run's folder:
 
 - ``loss.png``: training loss and the evaluation metric over optimizer steps, with STEP's switch
-  step marked where there is one;
+  step marked where there is one, and the dense model's curves as a reference where the record
+  holds them (``save_run(..., dense_loss=..., dense_eval=...)``: a dense run already made, so that
+  the plot shows what N:M cost);
 - ``masks.png``: per-layer mask flip rate and SAD (and STEP's Z_t), from the run's diagnostics;
 - ``sparsity.png``: the fraction of zeros in each layer's forward weight at the end.
 """
@@ -48,15 +50,18 @@ def _points(name: str, values, where: str = "save_run") -> list[tuple[int, float
     return out
 
 
-def save_run(run_dir, model, *, loss=(), eval=(), eval_name: str = "evaluation", recipe: str | None = None) -> str:
+def save_run(run_dir, model, *, loss=(), eval=(), eval_name: str = "evaluation", recipe: str | None = None,
+             dense_loss=(), dense_eval=()) -> str:
     """Write ``run_dir/run.json`` from a user's own training loop, for ``nmcompile report RUN_DIR``.
 
     ``loss`` and ``eval`` are ``(optimizer step, value)`` pairs; the diagnostics (recorded by
     :func:`nmcompile.hook_optimizer` with ``diagnostics_every``), the final per-layer sparsity and
     STEP's switch come from ``model``. ``recipe`` labels the plots (default: the recipes found).
-    Returns the file's path.
+    ``dense_loss`` and ``dense_eval``: the same series of the dense model, where one was trained
+    (nothing is trained here), drawn as the reference line. Returns the file's path.
     """
-    record = {"loss": _points("loss", loss), "eval": _points("eval", eval), "eval_name": eval_name}
+    record = {"loss": _points("loss", loss), "eval": _points("eval", eval), "eval_name": eval_name,
+              "dense_loss": _points("dense_loss", dense_loss), "dense_eval": _points("dense_eval", dense_eval)}
     record.update(model_record(model))
     if not record["recipes"]:
         raise ValueError("save_run: the model has no annotated weights (annotate it, or compile it with a recipe, first)")
@@ -97,7 +102,7 @@ def _checked_run(run, path: str) -> dict:
     if "loss" not in run:
         raise ValueError(f"{path}: not a run record: it has no 'loss' entry; {fix}")
     run = dict(run)
-    for key in ("loss", "eval"):
+    for key in ("loss", "eval", "dense_loss", "dense_eval"):
         run[key] = _points(key, run.get(key, []), path)
     for key in ("recipe", "eval_name"):
         if key in run and not isinstance(run[key], str):
@@ -144,25 +149,37 @@ def _switch_steps(run: dict) -> list[int]:
     return sorted(s for s in steps if s >= 0)
 
 
-def write_report(run_dir) -> list[str]:
-    """Write the run's plots as PNG files in ``run_dir``; returns their paths."""
-    run = load_run(run_dir)
-    run_dir = os.fspath(run_dir)
-    paths = []
+def _loss_figure(run: dict):
+    """The loss and evaluation plots of a checked run record (see :func:`load_run`)."""
     fig, (loss_ax, eval_ax) = _figure(2)
-    if run["loss"]:
-        steps, values = zip(*run["loss"])
-        loss_ax.plot(steps, values, linewidth=1)
-    loss_ax.set_title(f"training loss ({run.get('recipe', 'recipe not recorded')})", fontsize=9)
-    if run["eval"]:
-        steps, values = zip(*run["eval"])
-        eval_ax.plot(steps, values, marker="o", markersize=3, linewidth=1)
+    recipe = run.get("recipe", "recipe not recorded")
+    dense = bool(run["dense_loss"] or run["dense_eval"])
+    for ax, key, style in ((loss_ax, "loss", {}), (eval_ax, "eval", {"marker": "o", "markersize": 3})):
+        if run[key]:
+            steps, values = zip(*run[key])
+            ax.plot(steps, values, linewidth=1, label=recipe, **style)
+        if run[f"dense_{key}"]:
+            steps, values = zip(*run[f"dense_{key}"])
+            ax.plot(steps, values, color="0.45", linewidth=1, linestyle=":", label="dense", **style)
+    reference = "" if dense else "; no dense reference recorded (save_run(..., dense_loss=...))"
+    loss_ax.set_title(f"training loss ({recipe}){reference}", fontsize=9)
     eval_ax.set_title(run.get("eval_name", "evaluation"), fontsize=9)
     for ax in (loss_ax, eval_ax):
         for switch in _switch_steps(run):
             ax.axvline(switch, color="k", linestyle="--", linewidth=0.8, label="STEP switch")
         ax.set_xlabel("optimizer step", fontsize=8)
+        if dense and ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def write_report(run_dir) -> list[str]:
+    """Write the run's plots as PNG files in ``run_dir``; returns their paths."""
+    run = load_run(run_dir)
+    run_dir = os.fspath(run_dir)
+    paths = []
+    fig = _loss_figure(run)
     paths.append(os.path.join(run_dir, "loss.png"))
     fig.savefig(paths[-1], format="png")
 

@@ -120,6 +120,20 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
                 "the checkpoint's recipe before loading",
                 stacklevel=2,
             )
+        incoming_weight = state_dict.get(weight_key)
+        if incoming_weight is None or tuple(incoming_weight.shape) == tuple(module._parameters[pname].shape):
+            for k, key in ours.items():  # state of another shape: a recipe setting differs, say which
+                incoming, buffer = state_dict.get(prefix + k), module._buffers.get(k)
+                if isinstance(incoming, torch.Tensor) and buffer is not None and incoming.shape != buffer.shape:
+                    why = recipe.state_mismatch(key, tuple(incoming.shape)) or (
+                        "it was saved with other recipe settings; annotate the model with the checkpoint's recipe "
+                        "before loading"
+                    )
+                    error_msgs.append(
+                        f"{prefix + k} in the checkpoint has shape {list(incoming.shape)}, but {recipe} on {weight_key} "
+                        f"makes it {list(buffer.shape)}: {why}"
+                    )
+                    state_dict[prefix + k] = buffer  # in place of PyTorch's size-mismatch message for the key
         absent = [k for k in ours if prefix + k not in state_dict]
         if absent and weight_key in state_dict:
             with torch.no_grad():

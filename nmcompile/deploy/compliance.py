@@ -5,6 +5,8 @@ Filled by :func:`nmcompile.check` for models and state dicts, and by the ONNX ch
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +14,7 @@ import torch
 from .. import masks
 from ..pattern import NMPattern
 
-__all__ = ["WeightCheck", "CheckReport", "check_one"]
+__all__ = ["WeightCheck", "CheckReport", "check_one", "selects"]
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,16 @@ class CheckReport(dict):
 
     ``ok`` holds when at least one tensor was checked and every checked tensor complies: a report
     that checked nothing is not ok. ``where`` is the place in a checkpoint dict the state dict was
-    found at (``"['model']"``), or ``""``.
+    found at (``"['model']"``), or ``""``. ``only``: the name patterns the check was limited to
+    (``check(..., only=...)``); ``unselected`` counts the tensors they left out.
     """
 
     def __init__(self):
         super().__init__()
         self.skipped: dict[str, str] = {}
         self.where = ""
+        self.only: tuple[str, ...] = ()
+        self.unselected = 0
 
     @property
     def ok(self) -> bool:
@@ -57,7 +62,22 @@ class CheckReport(dict):
                 status = f"{c.violations}/{c.groups} groups violate; {c.problem}"
             lines.append(f"  {name}: {c.pattern} along dim {c.dim}: {status}")
         lines += [f"  - {name}: not checked ({why})" for name, why in self.skipped.items()]
+        if self.only:
+            lines.append(f"  ({self.unselected} other tensors not checked: only {', '.join(self.only)} was asked for)")
         return "\n".join(lines)
+
+
+def selects(report: CheckReport, name: str, only: Sequence[str] | str | None) -> bool:
+    """Whether ``name`` matches one of the glob patterns ``only`` (None: every name); a name left
+    out is counted in ``report.unselected``."""
+    if only is None:
+        return True
+    only = (only,) if isinstance(only, str) else tuple(only)
+    report.only = only
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in only):
+        return True
+    report.unselected += 1
+    return False
 
 
 def check_one(report: CheckReport, name: str, tensor: torch.Tensor, pattern: NMPattern, dim: int,

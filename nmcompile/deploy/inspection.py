@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from .compliance import CheckReport, WeightCheck, check_one
+from .compliance import CheckReport, WeightCheck, check_one, selects
 from ..pattern import NMPattern
 from ..state.records import WeightAnnotation, annotation_of, deployed_of, owners, state_of
 from ..state.sharding import full
@@ -61,7 +61,7 @@ def _state_message(problem: str, buffers: tuple[str, ...]) -> str:
     )
 
 
-def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> CheckReport:
+def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1, only=None) -> CheckReport:
     """N:M compliance per weight of a model (its effective weights) or a state dict.
 
     Args:
@@ -72,9 +72,14 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
         pattern: ``NMPattern`` or ``"2:4"``. Default: each weight's recipe pattern for a model,
             2:4 for a state dict.
         dim: grouping dimension for state-dict tensors (1 for Linear/Conv, 0 for GPT-2 Conv1D).
+        only: glob pattern(s) of the names to check (``fnmatch``, e.g. ``"blocks.*.weight"``); the
+            others are counted, not checked. A state dict holds every weight of the model, also those
+            never declared N:M (embeddings, a head left out with ``exclude``), which are dense:
+            ``only`` checks the declared ones. Default: every tensor.
 
     The report's ``ok`` is False when no tensor was checked. Raises ValueError for a file that
-    cannot be read as a state dict or an ONNX model, a checkpoint whose state dict cannot be told
+    cannot be read as a state dict or an ONNX model, a damaged packed state dict (see
+    :func:`nmcompile.deploy.unpack_state_dict`), a checkpoint whose state dict cannot be told
     apart, and a ``dim`` that a checked tensor does not have.
     """
     pattern = None if pattern is None else NMPattern.of(pattern)
@@ -82,11 +87,12 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
     if isinstance(obj, nn.Module):
         problems: dict[str, str] = {}
         for name, ann, weight in _effective(obj, problems):
-            check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim, problems.get(name, ""))
+            if selects(report, name, only):
+                check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim, problems.get(name, ""))
         for name, places in owners(obj):
             _, module, pname = places[0]
             record = deployed_of(module, pname)
-            if record is not None:
+            if record is not None and selects(report, name, only):
                 weight = full(module._parameters[pname].detach())
                 check_one(report, name, weight, pattern or record.pattern, record.dim)
         return report
@@ -94,9 +100,12 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
         if os.fspath(obj).endswith(".onnx"):
             from .onnx import check_onnx
 
-            return check_onnx(obj, pattern, dim=dim)
+            return check_onnx(obj, pattern, dim=dim, only=only)
         state, where = load_state_dict(obj)
-        report = check(state, pattern, dim=dim)
+        try:
+            report = check(state, pattern, dim=dim, only=only)
+        except ValueError as err:
+            raise ValueError(f"{os.fspath(obj)}{where}: {err}") from None
         report.where = where
         return report
     if isinstance(obj, Mapping):
@@ -104,7 +113,7 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1) -> Check
 
         state, report.where = find_state_dict(obj, "the checkpoint dict")
         for name, tensor in unpack_state_dict(state).items():
-            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and selects(report, name, only):
                 check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
         return report
     raise TypeError(f"check takes an nn.Module or a state dict, got {type(obj).__name__}")

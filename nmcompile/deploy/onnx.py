@@ -11,8 +11,11 @@ file later without the model. Requires ``onnx``, ``onnxscript`` and ``onnxruntim
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +23,7 @@ from torch import nn
 
 from ..state.records import annotation_of, deployed_of
 from ..state.records import owners
-from .compliance import CheckReport, check_one
+from .compliance import CheckReport, check_one, selects
 from ..pattern import NMPattern
 
 __all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]
@@ -89,6 +92,29 @@ def _find_initializer(proto, numpy_helper, name: str, weight: torch.Tensor):
     return None, False
 
 
+class _DropTorchvisionNotice(logging.Filter):
+    """Drops the exporter's "torchvision is not installed. Skipping torchvision::nms" lines (one per
+    torchvision op in its registry, logged at every export; nmcompile's models use none of them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("torchvision is not installed")
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """PyTorch's exporter's own noise, silenced for one export and restored after it: the torchvision
+    lines above and the pytree ``LeafSpec`` deprecation (a FutureWarning from PyTorch's internals)."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    drop = _DropTorchvisionNotice()
+    logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+            yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def _tensors(args) -> tuple:
     return args if isinstance(args, tuple) else (args,)
 
@@ -136,7 +162,8 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         export_kwargs["opset_version"] = opset
     path = os.fspath(path)
     export_kwargs.setdefault("verbose", False)  # the exporter's step-by-step progress lines
-    torch.onnx.export(model, args, path, dynamo=True, **export_kwargs)
+    with _quiet_exporter():
+        torch.onnx.export(model, args, path, dynamo=True, **export_kwargs)
     proto = onnx.load(path)
     params = dict(model.named_parameters())
     entries = {}
@@ -187,13 +214,48 @@ def _compare_with_onnxruntime(path: str, args, expected) -> float:
     return worst
 
 
-def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1) -> CheckReport:
+def _recorded(path: str, meta: dict) -> dict | None:
+    """The ``{initializer: {"pattern": "N:M", "axis": k, ...}}`` record :func:`export_onnx` wrote in
+    the file's metadata, or None without one; ValueError naming what is wrong with a damaged one."""
+    if METADATA_KEY not in meta:
+        return None
+    fix = (
+        f"export the model again with nmcompile.export_onnx, or remove the metadata_props entry {METADATA_KEY!r} "
+        "to check every initializer with --pattern and --dim"
+    )
+    try:
+        recorded = json.loads(meta[METADATA_KEY])
+    except ValueError as err:
+        raise ValueError(
+            f"{path}: nmcompile's record of the N:M initializers (metadata_props {METADATA_KEY!r}) is damaged: not "
+            f"valid JSON ({err}); {fix}"
+        ) from None
+    if not isinstance(recorded, dict):
+        raise ValueError(
+            f"{path}: nmcompile's record {METADATA_KEY!r} is damaged: expected a JSON object of initializers, got "
+            f"{type(recorded).__name__}; {fix}"
+        )
+    for name, entry in recorded.items():
+        try:
+            n, m = (int(v) for v in entry["pattern"].split(":"))
+            NMPattern(n, m)
+            int(entry["axis"])
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise ValueError(
+                f"{path}: nmcompile's record {METADATA_KEY!r} is damaged at initializer {name!r}: expected "
+                f'{{"pattern": "N:M", "axis": k}}, got {entry!r}; {fix}'
+            ) from None
+    return recorded
+
+
+def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=None) -> CheckReport:
     """N:M compliance of an ONNX file's initializers.
 
     Initializers recorded by :func:`export_onnx` are checked with their recorded pattern and axis;
     without a record, every >= 2-D floating initializer is checked with ``pattern`` (default 2:4)
-    along ``dim``. A file that is not an ONNX model (empty, truncated, corrupt) raises ValueError;
-    a model without such initializers gives a report that is not ok.
+    along ``dim``. ``only``: glob pattern(s) of the initializer names to check (default: all). A
+    file that is not an ONNX model (empty, truncated, corrupt) or whose record is damaged raises
+    ValueError; a model without such initializers gives a report that is not ok.
     """
     onnx = _import("onnx")
     from google.protobuf.message import DecodeError
@@ -206,10 +268,10 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1) -> Check
     if not proto.HasField("graph"):
         raise ValueError(f"{os.fspath(path)}: not an ONNX model: it holds no graph (an empty or truncated file?)")
     meta = {p.key: p.value for p in proto.metadata_props}
-    recorded = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
+    recorded = _recorded(os.fspath(path), meta)
     report = CheckReport()
     for init in proto.graph.initializer:
-        if len(init.dims) < 2:
+        if len(init.dims) < 2 or not selects(report, init.name, only):
             continue
         array = numpy_helper.to_array(init)
         if array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":

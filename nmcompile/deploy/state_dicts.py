@@ -65,6 +65,8 @@ def find_state_dict(obj: Mapping, what: str) -> tuple[Mapping, str]:
 def _why_unreadable(err: Exception) -> str:
     if isinstance(err, EOFError):
         return "the file is empty or ends early (truncated?)"
+    if isinstance(err, OSError):
+        return f"not a readable torch.save file: its zip archive ends early or is damaged (truncated or corrupt? {err})"
     text = str(err)
     refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
     if refused:
@@ -87,9 +89,10 @@ def load_state_dict(path) -> tuple[Mapping, str]:
     (see :func:`find_state_dict`). Unreadable files raise ValueError (missing ones: OSError)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
         raise  # missing or unreadable path: the OS's own error names it
-    except Exception as err:  # garbage bytes fail anywhere in the unpickler (KeyError, struct.error, ...)
+    except Exception as err:  # garbage bytes fail anywhere in the unpickler (KeyError, struct.error, ...), and a
+        # truncated archive in the zip reader's seeks (OSError: [Errno 22] Invalid argument)
         raise ValueError(f"{os.fspath(path)}: {_why_unreadable(err)}") from err
     if not isinstance(state, Mapping):
         raise ValueError(

@@ -15,6 +15,7 @@ the dense bytes. :func:`pack_state_dict` / :func:`unpack_state_dict` do the same
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,7 +26,13 @@ from .. import masks
 __all__ = ["Packed24", "pack", "unpack", "cutlass_meta", "row_meta", "pack_state_dict", "unpack_state_dict"]
 
 META_SUFFIX = ".nm24_meta"
+#: the entry of a packed state dict's ``_metadata`` that lists its packed weights (see :func:`pack_state_dict`)
+PACKED_RECORD = "nmcompile.nm24"
 GROUPS_PER_WORD = 4
+#: the multiples CUTLASS's metadata order takes: rows by 32 (its row interleave) and the last dim
+#: by 32 (two 16-bit words of four groups each: the words are swapped in pairs of columns and
+#: stored ColumnMajorInterleaved<2>, so a last dim of 16 times an odd number has no place in it)
+CUTLASS_ROWS, CUTLASS_COLS = 32, 32
 
 
 @dataclass(frozen=True)
@@ -43,10 +50,14 @@ class Packed24:
 
     def cutlass(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values, meta)`` in the layout ``torch._sparse_semi_structured_linear`` takes (2-D fp16/bf16,
-        rows divisible by 32): the same values, the metadata words in CUTLASS's interleaved order."""
+        rows and last dim divisible by 32): the same values, the metadata words in CUTLASS's
+        interleaved order. PyTorch's CUTLASS kernels need the last dim by 64 on top of that."""
         if self.values.dim() != 2 or self.values.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the CUTLASS layout takes 2-D fp16/bf16 weights, got {tuple(self.shape)} {self.values.dtype}")
-        return self.values, cutlass_meta(self.meta)
+            raise ValueError(
+                f"Packed24.cutlass: the CUTLASS layout takes 2-D fp16/bf16 weights, got {tuple(self.shape)} "
+                f"{self.values.dtype}; cast the weight (w.half()) before nmcompile.pack"
+            )
+        return self.values, cutlass_meta(self.meta, what=f"Packed24.cutlass of a {list(self.shape)} weight")
 
     @classmethod
     def from_cutlass(cls, values: torch.Tensor, meta: torch.Tensor) -> "Packed24":
@@ -54,27 +65,33 @@ class Packed24:
         return cls(values, row_meta(meta))
 
 
-def _meta_offsets(meta: torch.Tensor) -> torch.Tensor:
+def _meta_offsets(meta: torch.Tensor, what: str) -> torch.Tensor:
     from torch.sparse._semi_structured_conversions import _calculate_meta_reordering_scatter_offsets
 
     if meta.dim() != 2 or meta.dtype != torch.int16:
-        raise ValueError(f"the CUTLASS metadata order is defined for 2-D int16 metadata, got {tuple(meta.shape)} {meta.dtype}")
+        raise ValueError(f"{what}: the CUTLASS metadata order is defined for 2-D int16 metadata, got {tuple(meta.shape)} {meta.dtype}")
     rows, words = meta.shape
-    if rows % 32:
-        raise ValueError(f"the CUTLASS layout needs rows divisible by 32, got {rows}")
+    cols = words * 4 * GROUPS_PER_WORD
+    if rows % CUTLASS_ROWS or cols % CUTLASS_COLS:
+        raise ValueError(
+            f"{what}: the CUTLASS layout needs rows divisible by {CUTLASS_ROWS} and a last (reduction) dim divisible "
+            f"by {CUTLASS_COLS} (its metadata words are interleaved in pairs), got {rows} rows and a last dim of "
+            f"{cols}; pad the weight to those multiples (PyTorch's CUTLASS 2:4 kernels need the last dim by 64)"
+        )
     return _calculate_meta_reordering_scatter_offsets(rows, words, torch.int16, meta.device)
 
 
-def cutlass_meta(meta: torch.Tensor) -> torch.Tensor:
-    """Row-order metadata ``[rows, K/16]`` (rows divisible by 32) in CUTLASS's interleaved order."""
+def cutlass_meta(meta: torch.Tensor, what: str = "nmcompile cutlass_meta") -> torch.Tensor:
+    """Row-order metadata ``[rows, K/16]`` (rows and ``K`` divisible by 32) in CUTLASS's interleaved
+    order. ``what`` names the caller in errors."""
     reordered = torch.empty_like(meta)
-    reordered.view(-1).scatter_(0, _meta_offsets(meta), meta.reshape(-1))
+    reordered.view(-1).scatter_(0, _meta_offsets(meta, what), meta.reshape(-1))
     return reordered
 
 
-def row_meta(meta: torch.Tensor) -> torch.Tensor:
+def row_meta(meta: torch.Tensor, what: str = "nmcompile row_meta") -> torch.Tensor:
     """CUTLASS-ordered metadata back in row order (the inverse of :func:`cutlass_meta`)."""
-    return meta.reshape(-1).gather(0, _meta_offsets(meta)).view(meta.shape)
+    return meta.reshape(-1).gather(0, _meta_offsets(meta, what)).view(meta.shape)
 
 
 def _check_24(weight: torch.Tensor, what: str) -> None:
@@ -151,21 +168,59 @@ def unpack(packed: Packed24) -> torch.Tensor:
     return dense.flatten(-2)
 
 
+def _packed_record(state: Mapping) -> list[str] | None:
+    """The names :func:`pack_state_dict` recorded as packed in ``state``, or None (no record)."""
+    metadata = getattr(state, "_metadata", None)
+    entry = metadata.get(PACKED_RECORD) if isinstance(metadata, Mapping) else None
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("packed"), (list, tuple)):
+        return None
+    return [str(name) for name in entry["packed"]]
+
+
+def _with_metadata(out: dict, state: Mapping, packed: list[str] | None) -> "OrderedDict[str, torch.Tensor]":
+    """``out`` as an OrderedDict carrying ``state``'s ``_metadata`` (PyTorch's per-module versions),
+    with the record of the packed names when ``packed`` is given, without it otherwise."""
+    result = OrderedDict(out)
+    metadata = getattr(state, "_metadata", None)
+    metadata = OrderedDict(metadata) if isinstance(metadata, Mapping) else OrderedDict()
+    metadata.pop(PACKED_RECORD, None)
+    if packed:
+        metadata[PACKED_RECORD] = {"packed": list(packed)}
+    if metadata:
+        result._metadata = metadata
+    return result
+
+
 def pack_state_dict(state: Mapping[str, torch.Tensor], names=None) -> dict[str, torch.Tensor]:
     """A copy of ``state`` with the 2:4 weights ``names`` (default: every >= 2-D floating tensor
     that is 2:4 along its last dim) stored packed: ``name`` holds the values, ``name + '.nm24_meta'``
     the metadata. Conv weights (last dim: the kernel width) stay dense. Packed-only weights
     (:class:`~nmcompile.kernels.packed_tensor.PackedLinearWeight`) are written without unpacking
-    (those stored as a transpose, GPT-2's Conv1D, are 2:4 along dim 0 and written dense)."""
+    (those stored as a transpose, GPT-2's Conv1D, are 2:4 along dim 0 and written dense).
+
+    The copy's ``_metadata`` (kept by ``torch.save``/``torch.load`` and ignored by
+    ``load_state_dict``) lists the packed names under :data:`PACKED_RECORD`, so that
+    :func:`unpack_state_dict` and ``nmcompile check`` tell a file that lost a metadata entry from
+    one with a dense weight. A name in ``names`` that ``state`` does not hold is a ValueError."""
     from .packed_tensor import PackedLinearWeight
 
-    out = {}
+    if names is not None:
+        names = {names} if isinstance(names, str) else set(names)
+        unknown = sorted(names - set(state))
+        if unknown:
+            weights = [k for k, t in state.items() if isinstance(t, torch.Tensor) and t.dim() >= 2]
+            raise ValueError(
+                f"pack_state_dict: names {', '.join(map(repr, unknown))} are not in the state dict; pass names of its "
+                f"entries (its >= 2-D tensors: {', '.join(weights[:5])}{' ...' if len(weights) > 5 else ''})"
+            )
+    out, packed_names = {}, []
     for key, tensor in state.items():
         if isinstance(tensor, PackedLinearWeight):
             if tensor.transposed:
                 out[key] = tensor.dense()
             else:
                 out[key], out[key + META_SUFFIX] = tensor.packed()
+                packed_names.append(key)
             continue
         selected = names is None or key in names
         fits = (
@@ -177,17 +232,32 @@ def pack_state_dict(state: Mapping[str, torch.Tensor], names=None) -> dict[str, 
         if selected and fits:
             packed = pack(tensor)
             out[key], out[key + META_SUFFIX] = packed.values, packed.meta
+            packed_names.append(key)
         else:
             out[key] = tensor
-    return out
+    return _with_metadata(out, state, packed_names)
 
 
 def unpack_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The dense state dict that :func:`pack_state_dict` packed (loads into the plain model)."""
+    """The dense state dict that :func:`pack_state_dict` packed (loads into the plain model).
+
+    Raises ValueError for a damaged file: a metadata entry without its values, or a weight that
+    :func:`pack_state_dict` recorded as packed whose metadata is missing (its half-width values
+    would otherwise pass as a dense weight)."""
+    recorded = _packed_record(state) or []
+    lost = [key for key in recorded if key in state and key + META_SUFFIX not in state]
+    orphans = [key for key in state if key.endswith(META_SUFFIX) and key[: -len(META_SUFFIX)] not in state]
+    if lost or orphans:
+        problems = [f"{key} was written packed but its metadata {key}{META_SUFFIX} is missing" for key in lost]
+        problems += [f"{key} has no values entry {key[: -len(META_SUFFIX)]!r}" for key in orphans]
+        raise ValueError(
+            f"unpack_state_dict: the packed state dict is damaged: {'; '.join(problems[:3])}"
+            f"{' ...' if len(problems) > 3 else ''}. Write it again with nmcompile.deploy.pack_state_dict(model.state_dict())"
+        )
     out = {}
     for key, tensor in state.items():
         if key.endswith(META_SUFFIX):
             continue
         meta = state.get(key + META_SUFFIX)
         out[key] = tensor if meta is None else unpack(Packed24(tensor, meta))
-    return out
+    return _with_metadata(out, state, None)

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from .. import masks
 from ..ops import E4M3, E5M2, autocast_kernel, mvue_along, fake_fp8
-from .packed import Packed24, cutlass_meta, pack, row_meta, unpack
+from .packed import CUTLASS_COLS, CUTLASS_ROWS, Packed24, cutlass_meta, pack, row_meta, unpack
 
 __all__ = ["sparse24_mm", "sparse_train_linear", "KERNELS", "ALIGNMENT", "misaligned"]
 
@@ -55,8 +55,9 @@ KERNELS = ("reference", "cusparselt", "cutlass")
 #: per kernel, the multiples each dim must be: (rows of the 2:4 operand, its reduction dim, the
 #: dense operand's other dim). cuSPARSELt and CUTLASS: PyTorch's fp16/bf16 minimums
 #: (``torch.sparse.SparseSemiStructuredTensor*._DTYPE_SHAPE_CONSTRAINTS``), which it pads to and we
-#: require instead; reference: the CUTLASS metadata layout (rows by 32, four groups per 16-bit word)
-ALIGNMENT = {"reference": (32, 16, 1), "cusparselt": (16, 16, 8), "cutlass": (32, 64, 8)}
+#: require instead; reference: the CUTLASS metadata layout it packs into (rows by 32, the reduction dim
+#: by 32: two 16-bit words of four groups, interleaved in pairs; see :data:`.packed.CUTLASS_COLS`)
+ALIGNMENT = {"reference": (CUTLASS_ROWS, CUTLASS_COLS, 1), "cusparselt": (16, 16, 8), "cutlass": (32, 64, 8)}
 _HALF = (torch.float16, torch.bfloat16)
 
 

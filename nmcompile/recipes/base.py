@@ -136,6 +136,12 @@ class Recipe:
         """The output-row order in which the DGRAD weight is N:M along ``out`` (None: as stored)."""
         return None
 
+    def state_mismatch(self, key: str, shape: tuple[int, ...]) -> str | None:
+        """Which setting of this recipe differs when a checkpoint's state ``key`` has ``shape``, not
+        the shape this recipe gives it (said when such a checkpoint is loaded); None: no setting of
+        the recipe decides that shape."""
+        return None
+
     def mask(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor:
         """The boolean mask the forward applies now (diagnostics: flip rate, SAD)."""
         return masks.keep_mask(weight.detach(), self.n, self.m, dim)

@@ -25,6 +25,7 @@ window of Z_t samples) and ``v``. The optimizer's own state keeps the first mome
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -77,6 +78,17 @@ class STEP(Recipe):
     @property
     def switch_range(self) -> tuple[int, int]:
         return int(self.t_min * self.total_steps), int(self.t_max * self.total_steps)
+
+    def state_mismatch(self, key: str, shape: tuple[int, ...]) -> str | None:
+        if key != "z" or len(shape) != 1 or shape[0] < 2:
+            return None
+        theirs = float(f"{1 - 1 / shape[0]:.4g}")  # the smallest beta2 with that window
+        return (
+            f"its Z window holds {shape[0]} samples, floor(1/(1 - beta2)) of a beta2 of about {theirs}, where this "
+            f"recipe's beta2={self.beta2} makes {self.window}: the checkpoint was saved with another beta2. Declare "
+            f"the recipe with the checkpoint's beta2 (e.g. {dataclasses.replace(self, beta2=theirs)}) and build the "
+            "optimizer with the same betas"
+        )
 
     def init_state(self, weight: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
         device = weight.device

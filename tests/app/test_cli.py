@@ -52,6 +52,9 @@ def unreadable_files(tmp_path):
     torch.save(sd, tmp_path / "full.pt")
     whole = (tmp_path / "full.pt").read_bytes()
     files["truncated.pt"] = whole[: len(whole) // 2]
+    torch.save({"fc.weight": nmcompile.masks.prune(torch.randn(64, 128), 2, 4, 1)}, tmp_path / "large.pt")
+    large = (tmp_path / "large.pt").read_bytes()
+    files["truncated-large.pt"] = large[: len(large) // 2]  # cut after the first 4 kB: OSError [Errno 22] in the zip reader
     files["garbage.pt"] = b"hello, this is not a checkpoint"
     files["plain-pickle.pt"] = pickle.dumps({"fc.weight": [1.0, 2.0]}, protocol=4)
     for name, content in files.items():
@@ -123,3 +126,64 @@ def test_report_of_malformed_run_json_exits_2_with_one_line(tmp_path, capsys):
         "fc.weight": {"flip_rate": [0.1], "flip_rate_steps": [1], "switch_step": -1}}, "sparsity": {"fc.weight": 0.5}}))
     code, _, err = run_here(capsys, "report", str(good))
     assert code == 0 and (good / "loss.png").exists() and (good / "masks.png").exists(), err
+
+
+class TinyLM(torch.nn.Module):
+    """The README's pattern: an embedding, declared blocks and a head left out with exclude=["lm_head"]."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        self.lm_head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.lm_head(self.blocks(self.embed(ids)))
+
+
+def test_check_of_a_state_dict_can_check_the_declared_weights_only(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = TinyLM()
+    nmcompile.annotate(model, "sr_ste:2:4", exclude=["lm_head"])
+    nmcompile.finalize(model)
+    assert nmcompile.check(model).ok
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    code, out, err = run_here(capsys, "check", str(path))  # the embedding and the head are dense
+    assert code == 1 and "embed.weight" in out and "--only GLOB" in err
+    code, out, err = run_here(capsys, "check", str(path), "--only", "blocks.*.weight")
+    assert code == 0 and "2/2 tensors comply" in out and "2 other tensors not checked" in out and not err
+    code, _, err = run_here(capsys, "check", str(path), "--only", "blocks.0.*", "--only", "blocks.2.*")
+    assert code == 0
+    code, _, err = run_here(capsys, "check", str(path), "--only", "decoder.*")
+    assert code == 2 and "no tensor in it matched --only decoder.*" in err
+    report = nmcompile.check(path, only=["blocks.*"])
+    assert report.ok and set(report) == {"blocks.0.weight", "blocks.2.weight"}
+
+
+def test_a_packed_file_that_lost_a_metadata_entry_is_damaged(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    nmcompile.annotate(model, "sr_ste:2:4")
+    nmcompile.finalize(model)
+    packed = nmcompile.deploy.pack_state_dict(model.state_dict())
+    torch.save(packed, tmp_path / "packed.pt")
+    code, out, _ = run_here(capsys, "check", str(tmp_path / "packed.pt"))
+    assert code == 0 and "2/2 tensors comply" in out
+    del packed["2.weight.nm24_meta"]
+    torch.save(packed, tmp_path / "damaged.pt")
+    code, out, err = run_here(capsys, "check", str(tmp_path / "damaged.pt"))
+    assert code == 2 and not out and "damaged" in err and "2.weight was written packed but its metadata" in err
+    loaded = torch.load(tmp_path / "damaged.pt", weights_only=True)
+    with pytest.raises(ValueError, match="2.weight was written packed but its metadata 2.weight.nm24_meta is missing"):
+        nmcompile.deploy.unpack_state_dict(loaded)
+    loaded = torch.load(tmp_path / "packed.pt", weights_only=True)
+    del loaded["2.weight"]  # the metadata without its values
+    with pytest.raises(ValueError, match="damaged: 2.weight.nm24_meta has no values entry '2.weight'"):
+        nmcompile.deploy.unpack_state_dict(loaded)
+    # an intact file still loads into the plain model, with PyTorch's own metadata kept
+    restored = nmcompile.deploy.unpack_state_dict(torch.load(tmp_path / "packed.pt", weights_only=True))
+    fresh = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    fresh.load_state_dict(restored)
+    assert torch.equal(fresh[2].weight, model[2].weight)
+    assert "nmcompile.nm24" not in restored._metadata and restored._metadata[""] == model.state_dict()._metadata[""]

@@ -134,3 +134,25 @@ def test_bundled_datasets():
     x, y = mnist_5k()
     assert x.shape == (5000, 784) and 0 <= x.min() and x.max() <= 1
     assert torch.equal(torch.bincount(y), torch.full((10,), 500))
+
+
+def test_loss_plot_draws_a_recorded_dense_reference(tmp_path):
+    pytest.importorskip("matplotlib")
+    from nmcompile.app.report import _loss_figure, load_run
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    nmcompile.annotate(model, "ste:2:4")
+    loss, dense = [(1, 2.0), (2, 1.5), (3, 1.3)], [(1, 1.9), (2, 1.2), (3, 1.0)]
+    nmcompile.app.save_run(tmp_path / "with", model, loss=loss, dense_loss=dense, eval=[(3, 1.4)], dense_eval=[(3, 1.1)])
+    loss_ax, eval_ax = _loss_figure(load_run(tmp_path / "with")).axes
+    lines = {line.get_label(): line for line in loss_ax.lines}
+    assert set(lines) == {"ste:2:4", "dense"}
+    assert list(lines["dense"].get_ydata()) == [1.9, 1.2, 1.0] and list(lines["ste:2:4"].get_ydata()) == [2.0, 1.5, 1.3]
+    assert [line.get_label() for line in eval_ax.lines] == ["ste:2:4", "dense"]
+    assert loss_ax.get_legend() is not None
+    nmcompile.app.save_run(tmp_path / "without", model, loss=loss)  # a run with no dense reference says so
+    loss_ax, _ = _loss_figure(load_run(tmp_path / "without")).axes
+    assert [line.get_label() for line in loss_ax.lines] == ["ste:2:4"]
+    assert "no dense reference recorded" in loss_ax.get_title()
+    with pytest.raises(ValueError, match="dense_loss must be"):
+        nmcompile.app.save_run(tmp_path / "bad", model, loss=loss, dense_loss=[1.0])

@@ -35,7 +35,7 @@ INEXACT = {"s_ste", "s_ste_fp8", "bi_mask"}
 
 
 class MLP(nn.Module):
-    """Dims the reference kernel takes (2:4 operand rows by 32, its reduction dim by 16) except the head."""
+    """Dims the reference kernel takes (2:4 operand rows by 32, its reduction dim by 32) except the head."""
 
     def __init__(self):
         super().__init__()
@@ -138,6 +138,27 @@ def test_report_names_each_gemm_s_kernel_and_reason():
     assert "fc2.weight:\n  forward: reference:" in text and "wgrad: reference" in text
 
 
+@pytest.mark.parametrize("recipe", ["ste:2:4,wgrad=mvue24", "transposable:2:4,wgrad=mvue24"])
+@pytest.mark.parametrize("in_features", [16, 48])
+def test_a_reduction_dim_of_16_times_odd_trains_dense_and_says_why(recipe, in_features):
+    # CUTLASS's metadata order (the reference kernel's layout) takes the reduction dim by 32 only
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(in_features, 64), nn.ReLU(), nn.Linear(64, 64))
+    nmcompile.annotate(model, recipe)
+    compiled = torch.compile(model, backend="nmsparse", options={**AOT, "train_kernel": "reference"})
+    x = torch.randn(48, in_features)  # 48 tokens: WGRAD's operand MVUE(dY)^T is [out, 48]
+    out = compiled(x)
+    weights = {**dict(model.named_parameters()), **nmcompile.effective_weights(model)}
+    torch.testing.assert_close(out, torch.func.functional_call(model, weights, (x,)))
+    out.sum().backward()
+    report = train_report(model)
+    assert report["0.weight"].forward.kernel == "dense"
+    assert f"reduction dim ({in_features}) is not a multiple of 32" in report["0.weight"].forward.reason
+    assert report["2.weight"].forward.kernel == "reference"  # [64, 64] fits
+    for name in ("0.weight", "2.weight"):
+        assert report[name].wgrad.kernel == "dense" and "reduction dim (48) is not a multiple of 32" in report[name].wgrad.reason
+
+
 def rewritten(model, x, train_kernel):
     """Dynamo's graph of ``model(x)`` after the training passes, and their context."""
     done = []
@@ -206,7 +227,7 @@ def test_dynamic_token_counts_check_each_call():
     model = MLP()
     nmcompile.annotate(model, "ste:2:4,wgrad=mvue24")
     compiled = torch.compile(model, backend="nmsparse", dynamic=True, options={**AOT, "train_kernel": "reference"})
-    for tokens in (32, 20):  # 20: not a multiple of 16, the WGRAD call takes the dense GEMM
+    for tokens in (32, 20):  # 20: not a multiple of 32, the WGRAD call takes the dense GEMM
         x = torch.randn(tokens, 32)
         out = compiled(x)
         weights = {**dict(model.named_parameters()), **nmcompile.effective_weights(model)}

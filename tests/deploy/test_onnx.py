@@ -101,3 +101,41 @@ def test_half_precision_exports_and_bfloat16_says_why_it_cannot_be_compared(tmp_
         nmcompile.export_onnx(model.bfloat16(), torch.randn(4, 32, dtype=torch.bfloat16), path)
     assert nmcompile.check(path).ok  # the file itself is fine
     assert nmcompile.export_onnx(model, torch.randn(4, 32, dtype=torch.bfloat16), path, verify=False).max_abs_diff is None
+
+
+def test_a_damaged_nmcompile_record_is_named_and_exits_2(tmp_path, capsys):
+    model = finalized(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    path = tmp_path / "m.onnx"
+    nmcompile.export_onnx(model, torch.randn(4, 32), path)
+    proto = onnx.load(str(path))
+    good = proto.metadata_props[0].value
+    for damaged, what in (
+        (good[: len(good) // 2], "not valid JSON"),
+        ("[1, 2]", "expected a JSON object of initializers, got list"),
+        (good.replace('"2:4"', '"two of four"', 1), "damaged at initializer '0.weight'"),
+    ):
+        proto.metadata_props[0].value = damaged
+        onnx.save(proto, str(path))
+        assert cli(["check", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"nmcompile check: {path}: nmcompile's record") and what in err, err
+        assert METADATA_KEY in err and "export the model again with nmcompile.export_onnx" in err
+        assert err.count("\n") == 1
+
+
+def test_export_keeps_the_exporters_noise_to_itself(tmp_path, capfd, caplog):
+    import logging
+    import warnings
+
+    model = finalized(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    filters = list(registration.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nmcompile.export_onnx(model, torch.randn(4, 32), tmp_path / "m.onnx")
+        warnings.warn("after the export", FutureWarning)  # the user's own filters are back
+    err = capfd.readouterr().err
+    assert "torchvision is not installed" not in err and "torchvision" not in caplog.text
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == ["after the export"]
+    assert registration.filters == filters  # the logging filter was scoped to the export

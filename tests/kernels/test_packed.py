@@ -71,6 +71,8 @@ def test_bad_input_gets_errors_that_say_how_to_fix_it():
         nmcompile.unpack(nmcompile.deploy.Packed24(torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int16)))
     with pytest.raises(ValueError, match="cannot be packed"):
         nmcompile.deploy.pack_state_dict({"w": torch.randn(4, 16)}, names={"w"})
+    with pytest.raises(ValueError, match="names 'nope.weight' are not in the state dict.*its >= 2-D tensors: w"):
+        nmcompile.deploy.pack_state_dict({"w": pruned((4, 16))}, names=["w", "nope.weight"])
     with pytest.raises(ValueError, match="rows divisible by 32"):
         nmcompile.pack(pruned((16, 32), torch.float16)).cutlass()
 

@@ -57,13 +57,35 @@ def test_reference_product_is_the_dense_product(dtype, transpose_result, with_bi
 
 def test_reference_refuses_an_operand_that_is_not_2_4_and_names_it():
     with pytest.raises(ValueError, match="fc1.weight forward: the operand given to the 2:4 kernel is not 2:4"):
-        mm(torch.randn(32, 16), torch.randn(16, 8), None, "reference", False, "fc1.weight forward")
+        mm(torch.randn(32, 32), torch.randn(32, 8), None, "reference", False, "fc1.weight forward")
     # a shape the kernel does not take (possible with dynamic shapes) is the dense product, unchecked
     a, b = torch.randn(8, 16), torch.randn(16, 8)
     torch.testing.assert_close(mm(a, b, None, "reference", False, "x"), a @ b)
     assert training.misaligned("reference", 8, 16, 8) and "row count (8)" in training.misaligned("reference", 8, 16, 8)
     with pytest.raises(ValueError, match="unknown kernel 'fast'"):
         mm(pruned(32, 16), torch.randn(16, 8), None, "fast", False, "x")
+
+
+@pytest.mark.parametrize("cols", [16, 48, 80])
+def test_a_reduction_dim_of_16_times_odd_is_outside_the_cutlass_layout(cols):
+    # CUTLASS's metadata order swaps words in pairs of columns: an odd word count scattered out of bounds
+    a, b = pruned(32, cols), torch.randn(cols, 8)
+    why = training.misaligned("reference", 32, cols, 8)
+    assert why is not None and f"reduction dim ({cols}) is not a multiple of 32" in why
+    torch.testing.assert_close(mm(a, b, None, "reference", False, "x"), a @ b)  # dense, as a misaligned call is
+    assert training.misaligned("cutlass", 32, cols, 8) is not None  # PyTorch's CUTLASS kernels: by 64
+    with pytest.raises(ValueError, match=rf"Packed24.cutlass of a \[32, {cols}\] weight: .*last \(reduction\) dim divisible by 32"):
+        nmcompile.pack(pruned(32, cols, torch.float16)).cutlass()
+    with pytest.raises(ValueError, match="last \\(reduction\\) dim divisible by 32"):
+        row_meta(nmcompile.pack(a).meta)
+    assert training.misaligned("reference", 32, 2 * cols, 8) is None  # the next multiple of 32 is taken
+
+
+def test_train_kernel_rules_keep_16_times_odd_reduction_dims_dense_with_the_reason():
+    for role, rows, cols in (("forward", 64, 48), ("forward", 64, 16), ("wgrad", 64, 48)):
+        decision = decide("reference", role, layer="fc", not_24=None, rows=rows, cols=cols, n=32,
+                          dtype=torch.float32, device_type="cpu")
+        assert decision.kernel == "dense" and f"reduction dim ({cols}) is not a multiple of 32" in decision.reason
 
 
 # ---- the training op: forward and gradients from the equations

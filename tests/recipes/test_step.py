@@ -172,6 +172,21 @@ def test_needs_adam_and_matching_beta2():
         adam.step()
 
 
+def test_a_checkpoint_saved_with_another_beta2_says_so_when_loaded():
+    saved = mlp()
+    nmcompile.annotate(saved, "step:2:4,total_steps=10,beta2=0.99")
+    model = mlp()
+    nmcompile.annotate(model, "step:2:4,total_steps=10")  # beta2=0.999: a window of 1000 samples, not 100
+    with pytest.raises(RuntimeError, match=r"0.weight_nm_z in the checkpoint has shape \[100\], but step:2:4.* makes it "
+                       r"\[1000\]: .*beta2 of about 0.99, .*saved with another beta2.*beta2=0.99\)") as info:
+        model.load_state_dict(saved.state_dict())
+    assert "size mismatch" not in str(info.value)
+    same = mlp()
+    nmcompile.annotate(same, "step:2:4,total_steps=10,beta2=0.99")
+    same.load_state_dict(saved.state_dict())  # the same beta2 loads
+    assert torch.equal(same[0].weight_nm_z, saved[0].weight_nm_z)
+
+
 def test_schedules_count_optimizer_steps_without_hook_optimizer():
     model = mlp()
     nmcompile.annotate(model, recipes.STEP(total_steps=10))
