@@ -23,7 +23,7 @@ from torch import nn
 
 from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
-from ..kernels.packed import META_SUFFIX, pack
+from ..kernels.packed import META_SUFFIX, _packed_record, pack
 from ..kernels.packed_tensor import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -135,6 +135,13 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
     if not cpu24.status().available:
         raise RuntimeError(f"load_packed needs the 2:4 CPU kernel, which is not available here: "
                            f"{cpu24.status().reason}; load nmcompile.deploy.unpack_state_dict(state) instead")
+    lost = [key for key in _packed_record(state) or [] if key in state and key + META_SUFFIX not in state]
+    if lost:
+        raise ValueError(
+            f"load_packed: the file is damaged: {', '.join(lost)} {'was' if len(lost) == 1 else 'were'} written packed "
+            f"but {'its' if len(lost) == 1 else 'their'} {META_SUFFIX} entry is missing; write the checkpoint again "
+            "with nmcompile.deploy.pack_state_dict"
+        )
     modules = dict(model.named_modules())
     plain = {}
     for key, tensor in state.items():

@@ -123,6 +123,10 @@ def test_load_packed_names_what_does_not_fit():
     damaged = {k: v for k, v in state.items() if k != "2.weight"}
     with pytest.raises(ValueError, match="2.weight.nm24_meta has no values entry"):
         load_packed(build(), damaged)
+    lost = type(state)((k, v) for k, v in state.items() if k != "2.weight.nm24_meta")
+    lost._metadata = state._metadata  # the record of what was packed, as torch.save keeps it
+    with pytest.raises(ValueError, match="damaged: 2.weight was written packed but its .nm24_meta entry is missing"):
+        load_packed(build(), lost)
 
 
 def test_writes_are_refused_and_unpack_gives_dense_weights_back():
