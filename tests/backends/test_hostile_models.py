@@ -256,7 +256,7 @@ def test_a_parametrization_registered_after_annotate_is_named():
 def test_a_parameter_replaced_after_annotate_gets_state_from_its_new_values(spec):
     key = "fc1.weight_nm_" + ("beta" if spec.startswith("s_ste") else "mask")
     named = r"fc1\.weight was replaced by a new nn\.Parameter after it was declared.*computed again from the new weight"
-    for route in ("effective_weights", "optimizer step"):
+    for route in ("effective_weights", "optimizer step", "compiled forward"):
         model, other = MLP(0), MLP(1)
         nmcompile.annotate(model, spec, include=["fc1"])
         model.fc1.weight = nn.Parameter(other.fc1.weight.detach().clone())
@@ -265,9 +265,17 @@ def test_a_parameter_replaced_after_annotate_gets_state_from_its_new_values(spec
             if route == "effective_weights":
                 weights = nmcompile.effective_weights(model)
                 torch.testing.assert_close(weights["fc1.weight"], nmcompile.effective_weights(other)["fc1.weight"])
-            else:
-                _train(model, n=1)
+            elif route == "optimizer step":  # eager: the step driver notices
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                model(torch.randn(2, 16)).sum().backward()
+                opt.step()
+            else:  # before the forward uses the state
+                x = torch.randn(2, 16)
+                out = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})(x)
         assert torch.equal(model.state_dict()[key], other.state_dict()[key]), route
+        if route == "compiled forward":
+            w = nmcompile.effective_weights(model)["fc1.weight"]
+            torch.testing.assert_close(out, model.fc3(F.relu(model.fc2(F.relu(F.linear(x, w, model.fc1.bias))))))
 
 
 def test_a_resized_parameter_after_annotate_is_named_with_the_fix():
