@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from ..declare.annotate import annotation_of, attach, state_of
-from ..state.records import deployed_of
+from ..state.records import deployed_of, refresh_if_replaced
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
 from ..passes._sources import source_name
 from ..declare.plan import Plan
@@ -86,6 +86,10 @@ class _Slot:
         return ann
 
     def state(self, module, ann) -> tuple[torch.Tensor, ...]:
+        # a weight replaced after its state was computed; not in a process group, where FSDP2 swaps
+        # the module's parameter objects around each forward (the step driver looks there instead)
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            refresh_if_replaced(module, self.param_name, ann, self.fqn)
         try:
             state = state_of(module, self.param_name, ann)
         except KeyError:  # state buffers were removed: recreate them from the weight

@@ -55,6 +55,8 @@ def report(ctx: PassContext, strict: bool) -> None:
     """One summary per graph of what was declared and left dense (``strict``: an error instead)."""
     for t in ctx.targets:
         log.info("nmsparse: %s <- %s (from %s)", t.fqn, t.recipe, t.origin)
+    for ann, reason in ctx.named:  # named here: the step driver does not name them again
+        ann.named = reason
     problems = [f"\n  {name}: {reason}" for name, reason in ctx.skipped.items()]
     for origin, plan in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)):
         if plan is not None and ctx.weights and not ctx.targets:

@@ -45,7 +45,9 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int, name: s
     param = module._parameters[param_name]
     old = annotation_of(module, param_name)
     if old is not None and old.recipe == recipe and old.dim == dim:
-        if all(buffer in module._buffers for buffer in old.buffer_names(param_name)):
+        kept = [module._buffers.get(buffer) for buffer in old.buffer_names(param_name)]
+        if (all(b is not None for b in kept) and not old.stale and not records.replaced(module, param_name, old)
+                and not records.state_shape_differs(module, param_name, old)):
             return old
     if old is not None:
         for buffer in old.buffer_names(param_name):
@@ -58,6 +60,8 @@ def attach(module: nn.Module, param_name: str, recipe: Recipe, dim: int, name: s
             state = recipe.init_state(full(param.detach()), dim)
     for key, buffer in zip(recipe.state_names, ann.buffer_names(param_name)):
         module.register_buffer(buffer, state[key])
+    if not ann.pending:
+        ann.seen.set(param)
     records.put(module, RECIPES, param_name, ann)
     ann.driver = driver()  # counts steps, and names a declared weight that trains without any nmsparse graph
     ann.driver.watch_module(module, param_name, name or param_name)
@@ -102,13 +106,18 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
       state is computed from the incoming weight, as ``annotate`` after loading would, with a warning.
     - A stored mask that breaks the recipe's N:M pattern (saved with another pattern): an error.
     - State in the checkpoint settles a pending annotation (it is not computed again).
+    - With ``assign=True`` the loaded tensors become the weight and its state, so computed state is
+      made where the incoming weight is. A load that leaves weight or state on the meta device (a
+      copy into a meta model is a no-op) leaves a pending annotation pending.
     ``state_dict`` is ``load_state_dict``'s own copy, so filling it in leaves the caller's dict as it was.
     """
     from .. import masks
 
+    assign = bool(local_metadata.get("assign_to_params_buffers", False))
     for pname, ann in list(records.table(module, RECIPES).items()):
         if pname not in module._parameters:
             continue
+        ann.seen.set(None)  # the state now goes with the weight as loaded: the next look takes it
         weight_key, recipe = prefix + pname, ann.recipe
         ours = dict(zip(ann.buffer_names(pname), recipe.state_names))
         theirs = [k for k in state_dict if k.startswith(f"{weight_key}_nm_") and k[len(prefix):] not in ours]
@@ -120,8 +129,9 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
                 "the checkpoint's recipe before loading",
                 stacklevel=2,
             )
+        param = module._parameters[pname]
         incoming_weight = state_dict.get(weight_key)
-        if incoming_weight is None or tuple(incoming_weight.shape) == tuple(module._parameters[pname].shape):
+        if incoming_weight is None or tuple(incoming_weight.shape) == tuple(param.shape):
             for k, key in ours.items():  # state of another shape: a recipe setting differs, say which
                 incoming, buffer = state_dict.get(prefix + k), module._buffers.get(k)
                 if isinstance(incoming, torch.Tensor) and buffer is not None and incoming.shape != buffer.shape:
@@ -135,9 +145,15 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
                     )
                     state_dict[prefix + k] = buffer  # in place of PyTorch's size-mismatch message for the key
         absent = [k for k in ours if prefix + k not in state_dict]
-        if absent and weight_key in state_dict:
+        # where the weight is after this load: the incoming tensor (assign), else the parameter as it is
+        weight_after = state_dict.get(weight_key) if assign and weight_key in state_dict else param
+        if absent and weight_key in state_dict and weight_after.is_meta:
+            for k in absent:  # nothing to compute from: the placeholders stay (a no-op copy) and pending
+                if module._buffers.get(k) is not None:
+                    state_dict[prefix + k] = module._buffers[k]
+        elif absent and weight_key in state_dict:
             with torch.no_grad():
-                incoming = full(state_dict[weight_key]).to(module._parameters[pname].device)
+                incoming = full(state_dict[weight_key]).to(weight_after.device)
                 fresh = recipe.init_state(incoming, ann.dim)
             for k in absent:
                 state_dict[prefix + k] = fresh[ours[k]]
@@ -147,12 +163,14 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
                 "nmcompile.annotate after loading would",
                 stacklevel=2,
             )
-        if all(prefix + k in state_dict for k in ours):
+        state_after = [state_dict.get(prefix + k) if assign else module._buffers.get(k) for k in ours]
+        if (all(prefix + k in state_dict for k in ours) and not weight_after.is_meta
+                and not any(t is None or t.is_meta for t in state_after)):
             ann.pending = False
         mask_key = f"{weight_key}_nm_mask"
         if "mask" in recipe.state_names and mask_key in state_dict and mask_key[len(prefix):] in ours:
             mask = state_dict[mask_key]
-            if mask.shape == module._parameters[pname].shape:
+            if mask.shape == module._parameters[pname].shape and not mask.is_meta:
                 bad, total = masks.count_violations(full(mask), recipe.n, recipe.m, ann.dim)
                 if bad:  # load_state_dict copies the rest before raising: keep this weight's valid mask
                     state_dict[mask_key] = module._buffers[mask_key[len(prefix):]]

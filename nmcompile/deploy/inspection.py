@@ -10,6 +10,7 @@ from torch import nn
 
 from .compliance import CheckReport, WeightCheck, check_one, selects
 from ..pattern import NMPattern
+from ..state import records
 from ..state.records import WeightAnnotation, annotation_of, deployed_of, owners, state_of
 from ..state.sharding import full
 from .state_dicts import find_state_dict, load_state_dict
@@ -21,11 +22,23 @@ def _effective(model: nn.Module, problems: dict | None = None) -> Iterator[tuple
     """``(name, annotation, effective weight)`` of every annotated weight; ``problems`` (when given)
     gets ``{name: what is wrong with its recipe state}`` for each weight whose state is none its
     recipe makes."""
+    for mname, module in records.root(model).named_modules():
+        for pname, ann in records.table(module, records.RECIPES).items():
+            if pname not in module._parameters:
+                name = f"{mname}.{pname}" if mname else pname
+                if "parametrizations" in module._modules:
+                    raise ValueError(records.parametrized_reason(name, ann.recipe))
+                raise ValueError(
+                    f"{name} is declared {ann.recipe}, but it is no longer a parameter of {type(module).__name__}; "
+                    f"drop the declaration (nmcompile.declare.annotate.detach_recipe(module, {pname!r})) or make it "
+                    "a parameter again"
+                )
     with torch.no_grad():
         for name, places in owners(model):
             _, module, pname = places[0]
             ann = annotation_of(module, pname)
             if ann is not None:
+                records.refresh_if_replaced(module, pname, ann, name)
                 param = module._parameters[pname]
                 state = state_of(module, pname, ann)
                 if param.is_meta or ann.pending:

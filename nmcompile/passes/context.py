@@ -42,6 +42,8 @@ class PassContext:
     candidates: list[str] = field(default_factory=list)  # every weight consumed by a GEMM/conv
     weights: list[str] = field(default_factory=list)  # every parameter of 2 or more dims in the graph
     declared: bool = False  # whether any route declared a recipe (even "dense") for some weight
+    # (record, reason) of each annotated weight in ctx.skipped (the backend marks them named)
+    named: list[tuple[object, str]] = field(default_factory=list)
     # fqn -> (forward weight node, DGRAD weight node or None, the model's nodes that consume it)
     projected: dict[str, tuple[fx.Node, fx.Node | None, tuple[fx.Node, ...]]] = field(default_factory=dict)
     # fqn -> the recipe state placeholders, in the recipe's state_names order

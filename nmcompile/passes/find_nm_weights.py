@@ -8,9 +8,11 @@ Records an :class:`NMTarget` per weight to rewrite and a reason per weight it sk
 
 from __future__ import annotations
 
-from torch import fx
+from torch import fx, nn
+from torch.nn.utils import parametrize
 
-from ..state.records import annotation_of, deployed_of, state_dict_of
+from ..state import records
+from ..state.records import annotation_of, deployed_of, owners, state_dict_of
 from ..recipes import parse
 from . import _graph, _sources
 from .context import NMTarget, PassContext
@@ -43,15 +45,91 @@ def _clock(owned) -> int:
         return 0
 
 
+class _Model:
+    """The compiled module's weights as its modules hold them (looked up once per graph, when needed)."""
+
+    def __init__(self, source):
+        self.source, self._root, self._holders = source, None, None
+
+    @property
+    def root(self) -> nn.Module | None:
+        if self._root is None:
+            self._root = _sources.root_module(self.source)
+        return self._root
+
+    def holders(self, param) -> list[tuple[str, nn.Module, str]]:
+        """Every (name, module, attribute) holding ``param`` (several: a tied weight)."""
+        if self._holders is None:
+            self._holders = {}
+            if self.root is not None:
+                for _, places in owners(self.root):
+                    _, module, pname = places[0]
+                    self._holders[id(module._parameters[pname])] = [
+                        (f"{m}.{p}" if m else p, mod, p) for m, mod, p in places
+                    ]
+        return self._holders.get(id(param), [])
+
+
+def _parametrized(model: _Model, fqn: str, owned):
+    """``(name, module, attribute)`` of a declared weight a parametrization now computes, or None.
+
+    ``torch.nn.utils.parametrize.register_parametrization(module, "weight", ...)`` moves the
+    parameter to ``module.parametrizations.weight.original``: the graph's placeholder is that one,
+    and the layer uses the parametrization's output, which is no parameter.
+    """
+    if owned is None or not isinstance(owned[0], parametrize.ParametrizationList) or model.root is None:
+        return None
+    parts = fqn.split(".")
+    if "parametrizations" not in parts[:-2]:
+        return None
+    at = len(parts) - 1 - parts[::-1].index("parametrizations")
+    try:
+        module = model.root.get_submodule(".".join(parts[:at]))
+    except AttributeError:
+        return None
+    tensor = parts[at + 1] if at + 1 < len(parts) else None
+    if tensor is None or annotation_of(module, tensor) is None:
+        return None
+    return ".".join(parts[:at] + [tensor]), module, tensor
+
+
+def _tie(places) -> tuple[str | None, list]:
+    """Why a weight tied after ``nmcompile.annotate`` cannot take its declaration (None: all holders
+    declare the same recipe), and the holders' records."""
+    anns = [(name, annotation_of(module, pname), module) for name, module, pname in places]
+    declared = [ann for _, ann, _ in anns if ann is not None]
+    names = ", ".join(name for name, _, _ in anns)
+    embedding = [name for name, _, module in anns if isinstance(module, (nn.Embedding, nn.EmbeddingBag))]
+    if embedding:
+        return (f"tied to an embedding ({embedding[0]}; holders: {names}); embeddings and tied weights are never "
+                "sparsified"), declared
+    if len(declared) < len(anns) or len({(ann.recipe, ann.dim) for ann in declared}) > 1:
+        said = "; ".join(f"{name}: {ann.recipe if ann is not None else 'not declared'}" for name, ann, _ in anns)
+        return (f"tied weight shared by {names}, which carry different declarations ({said}); declare the same "
+                "recipe for every holder, or untie them"), declared
+    return None, declared
+
+
 def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
     found = 0
+    model = None
     for node, param, source in _sources.parameter_placeholders(gm):
         users = list(node.users)
         uses = [_graph.weight_use(user, node) for user in users]
         fqn = _sources.parameter_fqn(source)
         owned = _sources.owning_module(source, param)
+        model = model or _Model(source)
         if param.dim() >= 2:
             ctx.weights.append(fqn)
+        hidden = _parametrized(model, fqn, owned)
+        if hidden is not None:
+            name, module, tensor = hidden
+            ann = annotation_of(module, tensor)
+            reason = records.parametrized_reason(name, ann.recipe) + f" (its parameter is now {fqn})"
+            ctx.skipped[name] = reason
+            ctx.named.append((ann, reason))
+            ctx.declared = True
+            continue
         if not any(kind == "gemm" for kind, _ in uses):
             kinds = sorted({kind for kind, _ in uses})
             if param.dim() < 2 or not users or kinds == ["embedding"]:
@@ -62,8 +140,19 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
                     f"used only by {', '.join(kinds)}, not as a linear/conv weight; nmcompile rewrites linear, "
                     f"addmm, x @ W, conv1d/conv2d and nn.MultiheadAttention (recipe {recipe} from {origin})"
                 )
+                if origin == "annotate":
+                    ctx.named.append((annotation_of(*owned), ctx.skipped[fqn]))
             continue
         ctx.candidates.append(fqn)
+        places = model.holders(param)
+        if len(places) > 1:  # tied (after annotate, which declares no tied weight)
+            why, declared = _tie(places)
+            if declared and why is not None:
+                reason = f"{why} (recipe {declared[0].recipe} from annotate)"
+                ctx.skipped[fqn] = reason
+                ctx.named.extend((ann, reason) for ann in declared)
+                ctx.declared = True
+                continue
         recipe, origin = _resolve(ctx, owned, fqn, node, users)
         ctx.declared = ctx.declared or origin is not None
         if recipe is None:
@@ -107,7 +196,13 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
                     )
         if skip is not None:
             ctx.skipped[fqn] = f"{skip} (recipe {recipe} from {origin})"
+            ann = annotation_of(*owned) if owned else None
+            if ann is not None:
+                ctx.named.append((ann, ctx.skipped[fqn]))
             continue
+        ann = annotation_of(*owned) if owned else None
+        if ann is not None and records.state_shape_differs(*owned, ann):
+            records.refresh(*owned, ann, fqn)  # replaced by a weight of another shape after annotate
         frame = recipe.frame_at(_clock(owned)) if recipe.framed and owned else None
         ctx.targets.append(NMTarget(node, fqn, recipe, dim, owner[0], owner[1], origin, frame))
         found += 1

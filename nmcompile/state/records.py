@@ -14,6 +14,8 @@ copies them with the module. A recipe's state tensors are buffers of the same mo
 from __future__ import annotations
 
 import copy
+import warnings
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
@@ -22,14 +24,15 @@ import torch
 from torch import nn
 
 from .clock import StepMirror
-from .sharding import full
+from .sharding import full, is_sharded
 from .trace import Trace
 
 if TYPE_CHECKING:  # the records sit below the recipes: the type alone, for readers and checkers
     from ..recipes.base import Recipe
 
 __all__ = ["RECIPES", "DEPLOYED", "table", "get", "put", "drop", "owners", "root", "WeightAnnotation",
-           "annotation_of", "deployed_of", "state_of", "state_dict_of"]
+           "annotation_of", "deployed_of", "state_of", "state_dict_of", "Seen", "replaced", "refresh", "refresh_if_replaced",
+           "state_shape_differs", "parametrized_reason"]
 
 RECIPES = "_nmcompile_recipes"  # {parameter attribute: WeightAnnotation}
 DEPLOYED = "_nmcompile_deployed"  # {parameter attribute: Deployed}
@@ -80,6 +83,25 @@ def owners(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, nn.Module, s
         yield (f"{mname}.{pname}" if mname else pname), places
 
 
+class Seen:
+    """The parameter object a record's state was computed from (held weakly), or none known yet.
+
+    A copied or unpickled record starts with none known: the first look takes the copy's own
+    parameter (its state was computed from the same values).
+    """
+
+    __slots__ = ("ref",)
+
+    def __init__(self) -> None:
+        self.ref = None
+
+    def __reduce__(self):
+        return (Seen, ())
+
+    def set(self, param) -> None:
+        self.ref = None if param is None else weakref.ref(param)
+
+
 @dataclass(eq=True)
 class WeightAnnotation:
     """One weight's recipe record: the recipe, its grouping dim, and its run-time companions."""
@@ -96,6 +118,12 @@ class WeightAnnotation:
     # the kernels of its training GEMMs in the graph that last ran it (a kernels.train_dispatch.TrainKernels,
     # set by the backend; read by nmcompile.training.train_report)
     kernels: object = field(default=None, compare=False, repr=False)
+
+    # the parameter object its state was computed from (see :func:`replaced`)
+    seen: Seen = field(default_factory=Seen, compare=False, repr=False)
+    stale: bool = field(default=False, compare=False)  # the weight was replaced; its state was not recomputed
+    # why the backend left it dense, once it said so (the step driver does not name it again)
+    named: str | None = field(default=None, compare=False)
 
     __hash__ = None  # mutable (pending); compare by (recipe, dim)
 
@@ -157,5 +185,107 @@ def settle(module: nn.Module, pname: str, ann: WeightAnnotation) -> None:
             for key, buffer in zip(ann.recipe.state_names, buffers):
                 buffer.copy_(fresh[key])
     ann.pending = False
+    ann.seen.set(weight)
     if ann.recipe.clocked:
         ann.clock.read(module._buffers[ann.buffer_names(pname)[ann.recipe.state_names.index("step")]])
+
+
+def replaced(module: nn.Module, pname: str, ann: WeightAnnotation) -> bool:
+    """Whether ``module.<pname>`` is another ``nn.Parameter`` than the one ``ann``'s state came from.
+
+    The first look at a record with none known (a new, copied or just loaded record) takes the
+    current parameter. FSDP2's swaps between its sharded parameter and the unsharded one do not
+    count, nor do plain tensors put in for one call (``torch.func.functional_call``).
+    """
+    param = module._parameters.get(pname)
+    if param is None or ann.pending or param.is_meta:
+        return False
+    if ann.seen.ref is None:
+        ann.seen.set(param)
+        return False
+    old = ann.seen.ref()
+    if old is param:
+        return False
+    if is_sharded(param) or (old is not None and is_sharded(old)) or not isinstance(param, nn.Parameter):
+        if is_sharded(param):  # fully_shard after the state was computed: the same values
+            ann.seen.set(param)
+        return False
+    return True
+
+
+def state_shape_differs(module: nn.Module, pname: str, ann: WeightAnnotation) -> bool:
+    """Whether ``ann``'s state buffers have other shapes than the recipe makes for the weight now."""
+    param = module._parameters.get(pname)
+    if param is None or ann.pending or not ann.recipe.state_names:
+        return False
+    expected = ann.recipe.example_state(torch.empty(param.shape, dtype=param.dtype, device="meta"), ann.dim)
+    held = [module._buffers.get(b) for b in ann.buffer_names(pname)]
+    return any(b is not None and b.shape != expected[k].shape for b, k in zip(held, ann.recipe.state_names))
+
+
+def refresh_if_replaced(module: nn.Module, pname: str, ann: WeightAnnotation, name: str) -> None:
+    """Recipe state for a weight replaced by a new ``nn.Parameter`` after it was declared (see :func:`refresh`)."""
+    if replaced(module, pname, ann):
+        refresh(module, pname, ann, name)
+
+
+def refresh(module: nn.Module, pname: str, ann: WeightAnnotation, name: str) -> None:
+    """Recipe state for a weight that was replaced after it was declared.
+
+    A recipe whose state is all computed from the weight's values (S-STE's beta, ASP's mask) gets
+    it computed again from the new weight, as ``load_state_dict`` does, with a warning. A recipe
+    with a schedule keeps its state (its step clock and optimizer history are not the weight's)
+    and the warning says how to start it again; if the new weight has another shape, which that
+    state cannot serve, it is an error saying the same.
+    """
+    param = module._parameters[pname]
+    if set(ann.recipe.state_names) <= {"step"} and not state_shape_differs(module, pname, ann):
+        ann.seen.set(param)
+        return  # nothing was computed from the old weight (a step count goes on)
+    recipe, keys = ann.recipe, ", ".join(ann.buffer_names(pname))
+    again = (f"Call nmcompile.annotate(model, {str(recipe)!r}) again after replacing the weight to compute its "
+             "state from the new one")
+    fix = f"to set a weight's values and keep its state, copy them in place: with torch.no_grad(): {name}.copy_(values)"
+    if recipe.clocked:
+        if state_shape_differs(module, pname, ann):
+            raise ValueError(
+                f"nmcompile: {name} was replaced by a new nn.Parameter of shape {tuple(param.shape)} after it was "
+                f"declared {recipe}; its state ({keys}) was made for the old weight's shape. {again} (its "
+                "schedule starts over)"
+            )
+        ann.seen.set(param)
+        ann.stale = True
+        warnings.warn(
+            f"nmcompile: {name} was replaced by a new nn.Parameter after it was declared {recipe}; its state "
+            f"({keys}) was computed from the old weight and is kept, with its schedule. {again} (its schedule "
+            f"starts over); {fix}",
+            stacklevel=3,
+        )
+        return
+    ann.seen.set(param)
+    with torch.no_grad(), torch.inference_mode(False):
+        fresh = recipe.init_state(full(param.detach()), ann.dim)
+        for key, buffer in zip(recipe.state_names, ann.buffer_names(pname)):
+            held = module._buffers.get(buffer)
+            if held is not None and held.shape == fresh[key].shape:
+                held.copy_(fresh[key])
+            else:
+                module._buffers[buffer] = fresh[key]
+    warnings.warn(
+        f"nmcompile: {name} was replaced by a new nn.Parameter after it was declared {recipe}; its state "
+        f"({keys}) was computed again from the new weight, as load_state_dict does; {fix}",
+        stacklevel=3,
+    )
+
+
+def parametrized_reason(name: str, recipe) -> str:
+    """Why the declared weight ``name`` trains dense once a parametrization computes it, and the fixes."""
+    module, _, tensor = name.rpartition(".")
+    where = f"model.get_submodule({module!r})" if module else "model"
+    return (
+        f"{name} is declared {recipe}, but a parametrization was registered on it afterwards "
+        "(torch.nn.utils.parametrize), and nmcompile sparsifies parameters, not a parametrization's output, so it "
+        "trains dense. Remove the parametrization (torch.nn.utils.parametrize.remove_parametrizations("
+        f"{where}, {tensor!r})), or drop the declaration to train it dense on purpose "
+        f"(nmcompile.declare.annotate.detach_recipe({where}, {tensor!r}))"
+    )

@@ -38,6 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+from torch.nn.utils import parametrize
 
 from ..state import records
 from ..state.records import WeightAnnotation, state_dict_of
@@ -80,6 +81,7 @@ class _PerOptimizer:
         self.steps = 0
         self.tracked: dict[tuple, Tracked] = {}  # (id(module), param name, id(record)) -> Tracked
         self.groups: dict = {}  # recipe -> [Tracked] of the step in progress
+        self.used: set = set()  # ids of the weights an nmsparse graph has used (see StepDriver._groups)
         self.mask_fns: dict = {}
 
 
@@ -185,12 +187,19 @@ class StepDriver:
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         groups: dict = {}
         tracked = {}
+        used = per.used = set()  # ids of the weights some nmsparse graph has used (tied holders share one)
         for module, names in list(self.watched.items()):
-            for pname, ann in records.table(module, records.RECIPES).items():
+            for pname, ann in list(records.table(module, records.RECIPES).items()):
+                param = module._parameters.get(pname)
+                if param is None:
+                    _warn_if_parametrized(module, pname, ann, names.get(pname, pname), in_optimizer)
+                    continue
+                records.refresh_if_replaced(module, pname, ann, names.get(pname, pname))
+                if ann.consumed:
+                    used.add(id(param))
                 if not (every_weight or ann.recipe.clocked or not ann.consumed):
                     continue
-                param = module._parameters.get(pname)
-                if param is None or id(param) not in in_optimizer:
+                if id(param) not in in_optimizer:
                     continue
                 key = (id(module), pname, id(ann))
                 w = per.tracked.get(key) or Tracked(names.get(pname, pname), module, pname, ann)
@@ -221,7 +230,7 @@ class StepDriver:
             self._raise_if_counted(optimizer, per.groups)
             if checks:
                 _raise_if_not_finite(per.groups, per.steps + 1)
-            _warn_if_never_compiled(per.groups)
+            _warn_if_never_compiled(per.groups, per.used)
             self._plan_dense(optimizer)
             for recipe, weights in per.groups.items():
                 recipe.before_step(weights, optimizer)
@@ -354,11 +363,28 @@ def driver() -> StepDriver:
     return live
 
 
-def _warn_if_never_compiled(groups) -> None:
-    """Name (once each) declared weights that get a gradient but that no nmsparse graph has used."""
+def _warn_if_parametrized(module: nn.Module, pname: str, ann: WeightAnnotation, name: str, in_optimizer) -> None:
+    """Name (once) a declared weight that a parametrization registered after the declaration now computes."""
+    if ann.named is not None or not parametrize.is_parametrized(module, pname):
+        return
+    original = module.parametrizations[pname].original
+    if id(original) not in in_optimizer or original.grad is None:
+        return
+    ann.named = records.parametrized_reason(name, ann.recipe)
+    warnings.warn(f"nmcompile: {ann.named}; this optimizer step trains it dense", stacklevel=4)
+
+
+def _warn_if_never_compiled(groups, used=frozenset()) -> None:
+    """Name (once each) declared weights that get a gradient but that no nmsparse graph has used.
+
+    Not those the backend has named with its reason, nor a holder of a weight tied after the
+    declaration whose other holder a graph has used (``used``: ids of such weights).
+    """
     dense = []
     for weights in groups.values():
         for w in weights:
+            if w.ann.named is not None or id(w.param) in used:
+                continue
             if not w.ann.consumed and w.param.grad is not None and not w.scratch.get("named"):
                 w.scratch["named"] = True
                 dense.append(f"{w.name} ({w.ann.recipe})")

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 import nmcompile
 from nmcompile.masks import count_violations
@@ -219,3 +220,149 @@ def test_non_finite_weights_keep_valid_masks_without_the_check():
     assert w[0, 1] == 0 and w[0, 3] == 0  # NaN and inf are kept, the finite ones pruned
     compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
     assert not torch.isfinite(compiled(torch.randn(2, 16))).all()
+
+
+class _Same(nn.Module):
+    def forward(self, weight):
+        return weight * 1.0
+
+
+def test_a_parametrization_registered_after_annotate_is_named():
+    model = MLP()
+    nmcompile.annotate(model, "s_ste:2:4", exclude=["fc3"])
+    parametrize.register_parametrization(model.fc1, "weight", _Same())
+    named = r"fc1\.weight is declared s_ste:2:4, but a parametrization was registered on it afterwards.*remove_parametrizations"
+    with pytest.raises(Exception, match=named):  # strict: an error (Dynamo wraps it in BackendCompilerFailed)
+        torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", "strict": True})(torch.randn(2, 16))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, n=2, recipe_hook=False)
+    messages = [str(w.message) for w in caught]
+    assert [m for m in messages if "left these weights dense" in m and "parametrization was registered" in m], messages
+    assert not [m for m in messages if "no torch.compile" in m or "this optimizer step" in m]  # named once, by its cause
+    with pytest.raises(ValueError, match=r"fc1\.weight is declared s_ste:2:4, but a parametrization"):
+        nmcompile.check(model)
+    eager = MLP()  # no graph: the step driver names it
+    nmcompile.annotate(eager, "s_ste:2:4", include=["fc1"])
+    parametrize.register_parametrization(eager.fc1, "weight", _Same())
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    eager(torch.randn(2, 16)).sum().backward()
+    with pytest.warns(UserWarning, match=r"fc1\.weight is declared s_ste:2:4, but a parametrization.*this optimizer step"):
+        opt.step()
+
+
+@pytest.mark.parametrize("spec", ["s_ste:2:4", "asp:2:4,permute=False"])
+def test_a_parameter_replaced_after_annotate_gets_state_from_its_new_values(spec):
+    key = "fc1.weight_nm_" + ("beta" if spec.startswith("s_ste") else "mask")
+    named = r"fc1\.weight was replaced by a new nn\.Parameter after it was declared.*computed again from the new weight"
+    for route in ("effective_weights", "optimizer step", "compiled forward"):
+        model, other = MLP(0), MLP(1)
+        nmcompile.annotate(model, spec, include=["fc1"])
+        model.fc1.weight = nn.Parameter(other.fc1.weight.detach().clone())
+        nmcompile.annotate(other, spec, include=["fc1"])  # the new values, annotated as they are
+        with pytest.warns(UserWarning, match=named):
+            if route == "effective_weights":
+                weights = nmcompile.effective_weights(model)
+                torch.testing.assert_close(weights["fc1.weight"], nmcompile.effective_weights(other)["fc1.weight"])
+            elif route == "optimizer step":  # eager: the step driver notices
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                model(torch.randn(2, 16)).sum().backward()
+                opt.step()
+            else:  # before the forward uses the state
+                x = torch.randn(2, 16)
+                out = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})(x)
+        assert torch.equal(model.state_dict()[key], other.state_dict()[key]), route
+        if route == "compiled forward":
+            w = nmcompile.effective_weights(model)["fc1.weight"]
+            torch.testing.assert_close(out, model.fc3(F.relu(model.fc2(F.relu(F.linear(x, w, model.fc1.bias))))))
+
+
+def test_a_resized_parameter_after_annotate_is_named_with_the_fix():
+    def resize(model):
+        model.fc1.weight = nn.Parameter(torch.randn(64, 16) / 4)
+        model.fc1.bias = nn.Parameter(torch.zeros(64))
+        model.fc2.weight = nn.Parameter(torch.randn(32, 64) / 8)
+
+    model = MLP()
+    nmcompile.annotate(model, "transposable:2:4", include=["fc1"])
+    resize(model)
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
+    with pytest.raises(Exception, match=r"fc1\.weight was replaced by a new nn\.Parameter of shape \(64, 16\).*"
+                                        r"nmcompile\.annotate\(model, 'transposable:2:4'\) again"):
+        compiled(torch.randn(2, 16))
+    nmcompile.annotate(model, "transposable:2:4", include=["fc1"])  # the named fix
+    torch._dynamo.reset()
+    assert model.fc1.weight_nm_mask.shape == (64, 16)
+    assert torch.isfinite(compiled(torch.randn(2, 16))).all()
+    model = MLP()  # state all from the weight's values: computed again, with a warning
+    nmcompile.annotate(model, "asp:2:4,permute=False", include=["fc1"])
+    resize(model)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"fc1\.weight was replaced.*computed again"):
+        out = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})(torch.randn(2, 16))
+    assert torch.isfinite(out).all() and model.fc1.weight_nm_mask.shape == (64, 16)
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+def _messages(model, inputs, steps=2, options=None):
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", **(options or {})})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            compiled(inputs).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return compiled, [str(w.message) for w in caught]
+
+
+def test_weights_tied_after_annotate():
+    model = Pair()
+    nmcompile.annotate(model, "sr_ste:2:4")
+    model.b.weight = model.a.weight  # both uses keep the declared recipe: nothing is dense
+    x = torch.randn(4, 16)
+    compiled, messages = _messages(model, x)
+    assert not [m for m in messages if "dense" in m], messages
+    w = nmcompile.effective_weights(model)["a.weight"]
+    torch.testing.assert_close(compiled(x), F.linear(F.relu(F.linear(x, w, model.a.bias)), w, model.b.bias))
+
+    model = Pair()  # holders that declared different recipes: named, with both declarations
+    nmcompile.annotate(model, {"a": "sr_ste:2:4", "b": "asp:2:4,permute=False"})
+    model.b.weight = model.a.weight
+    torch._dynamo.reset()
+    _, messages = _messages(model, x)
+    named = [m for m in messages if "left these weights dense" in m]
+    assert named and "shared by a.weight, b.weight, which carry different declarations" in named[0], messages
+    assert not [m for m in messages if "no torch.compile" in m], messages
+
+    model = TinyLM()  # a head tied to the embedding: dense, named as tied to an embedding
+    report = nmcompile.annotate(model, "sr_ste:2:4")
+    assert list(report.annotated) == ["head.weight"]
+    model.head.weight = model.emb.weight
+    torch._dynamo.reset()
+    _, messages = _messages(model, torch.randint(0, 32, (2, 5)))
+    assert [m for m in messages if "tied to an embedding" in m], messages
+    assert not [m for m in messages if "no torch.compile" in m], messages
+    with pytest.raises(Exception, match="tied to an embedding"):
+        torch._dynamo.reset()
+        _messages(model, torch.randint(0, 32, (2, 5)), options={"strict": True})

@@ -83,6 +83,43 @@ def test_meta_init_then_a_checkpoint_load_keeps_the_loaded_state():
         assert torch.equal(model.fc1.weight_nm_beta, source.fc1.weight_nm_beta), in_place
 
 
+EVERY_RECIPE = ["ste:2:4", "sr_ste:2:4", "s_ste:2:4", "step:2:4,total_steps=10", "mdgf:2:4", "sdgf:2:4,total_steps=10",
+                "bi_mask:2:4", "transposable:2:4", "asp:2:4,permute=False"]
+
+
+@pytest.mark.parametrize("spec", EVERY_RECIPE)
+def test_meta_init_then_an_assign_load_of_a_dense_checkpoint_computes_state_from_it(spec):
+    dense = MLP().state_dict()
+    with torch.device("meta"):
+        model = MLP()
+    nmcompile.annotate(model, spec)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "nmcompile: the checkpoint has no")  # computed from the loaded weight
+        model.load_state_dict(dense, assign=True)
+    twin = MLP()
+    twin.load_state_dict(dense)
+    nmcompile.annotate(twin, spec)  # the same weights, annotated when real
+    state, expected = model.state_dict(), twin.state_dict()
+    assert not [k for k, v in state.items() if v.is_meta]
+    assert set(state) == set(expected) and all(torch.equal(state[k], v) for k, v in expected.items())
+    x = torch.randn(4, 16)
+    out = torch.compile(model, backend="nmsparse", options=AOT)(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.compile(twin, backend="nmsparse", options=AOT)(x))
+
+
+def test_meta_init_then_a_copy_load_leaves_the_state_pending_and_named():
+    dense = MLP().state_dict()
+    with torch.device("meta"):
+        model = MLP()
+    nmcompile.annotate(model, "transposable:2:4")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "for .*: copying from a non-meta parameter")  # PyTorch's: a no-op copy
+        model.load_state_dict(dense)  # into meta tensors: nothing is loaded, nothing can be computed
+    with pytest.raises(ValueError, match="meta device.*to_empty"):
+        nmcompile.effective_weights(model)
+
+
 def test_a_meta_model_is_named_when_it_runs_before_initialisation():
     with torch.device("meta"):
         model = MLP()
