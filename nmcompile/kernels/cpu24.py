@@ -78,8 +78,10 @@ def status() -> Status:
         _build()
         _register_python_parts()
     except Exception as err:  # a failed build is a named fallback, never an error
-        lines = [line for line in str(err).splitlines() if line.strip()]
-        detail = " | ".join(line.strip() for line in lines if "error" in line.lower())[:600] or " ".join(lines)[:600]
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        # the compiler's own diagnostics ("file:line: error: ...", "fatal error: ..."), else the first lines
+        diagnostics = [line for line in lines if "error:" in line.lower()]
+        detail = " | ".join(diagnostics[:4] or lines[:3])[:600]
         return Status(False, f"building the 2:4 CPU kernel failed ({type(err).__name__}): {detail}")
     seconds = time.perf_counter() - start
     names = [name for name, needs in ISAS.items() if int(torch.ops.nmsparse.cpu24_isa()) & needs == needs]

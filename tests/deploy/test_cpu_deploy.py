@@ -147,12 +147,17 @@ def test_a_cpu_without_the_kernel_deploys_dense_with_the_reason(monkeypatch):
 @pytest.mark.slow
 def test_a_build_that_fails_is_reported_with_the_compilers_message(tmp_path):
     import os
+    import shutil
     import subprocess
     import sys
     import textwrap
 
     fake = tmp_path / "c++"
-    fake.write_text("#!/bin/sh\necho 'fatal error: this compiler was made to fail' >&2\nexit 1\n")
+    real = shutil.which("c++") or "c++"
+    fake.write_text(  # answers version probes like the real compiler, fails every compilation
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "-c" ] && {{ echo "fatal error: this compiler was made to fail" >&2; exit 1; }}; done\n'
+        f'exec {real} "$@"\n'
+    )
     fake.chmod(0o755)
     script = textwrap.dedent("""
         import torch
