@@ -323,6 +323,7 @@ def main() -> int:
     parser.add_argument("--skip", nargs="*", default=(), choices=("layers", "decode", "aoti"))
     parser.add_argument("--render", help="print the markdown tables of a result file and exit")
     parser.add_argument("--decode-modes", nargs="+", default=("eager", "compiled"), choices=("eager", "compiled"))
+    parser.add_argument("--dtypes", nargs="+", default=tuple(DTYPES), choices=tuple(DTYPES))
     args = parser.parse_args()
     if args.render:
         with open(args.render) as f:
@@ -343,10 +344,11 @@ def main() -> int:
                 json.dump(result, f, indent=1)
 
     if "layers" not in args.skip:
-        result["layers"] = per_layer(shapes, tokens, DTYPES)
+        result["layers"] = per_layer(shapes, tokens, {d: DTYPES[d] for d in args.dtypes})
         save()
     if "decode" not in args.skip:
-        result["decode"] = decode(4 if args.quick else 24, DTYPES, new_tokens=16 if args.quick else 64,
+        result["decode"] = decode(4 if args.quick else 24, {d: DTYPES[d] for d in args.dtypes},
+                                  new_tokens=16 if args.quick else 64,
                                   modes=tuple(args.decode_modes))
         save()
     if "aoti" not in args.skip:
