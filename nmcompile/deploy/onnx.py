@@ -141,9 +141,9 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
     from onnx import numpy_helper
 
     finalized = _finalized(model)
-    from .packed_weights import packed_names
+    from ..kernels.packed_tensor import PackedLinearWeight
 
-    packed = packed_names(model)
+    packed = [name for name, param in model.named_parameters() if isinstance(param, PackedLinearWeight)]
     if packed:
         raise ValueError(
             f"export_onnx: {', '.join(packed[:3])}{' ...' if len(packed) > 3 else ''} are held packed only "
