@@ -170,7 +170,7 @@ class _CompiledNM:
     def _watch(self, owners, anns) -> None:
         """Have the step driver count optimizer steps for these modules' clocked weights."""
         if self.driver is None:
-            from ..training.optimizer_hook import driver
+            from ..training.step_driver import driver
 
             self.driver = driver()
         for slot, ann in zip(self.slots, anns):

@@ -130,7 +130,7 @@ def declare_plan(gm: fx.GraphModule, ctx: PassContext):
     root = root_module(params[0][2])
     if root is None:
         return None
-    from ..training.optimizer_hook import driver as step_driver
+    from ..training.step_driver import driver as step_driver
 
     live = step_driver()
     live.declare(root, routes[0][1], routes[0][0], set(ctx.skipped))

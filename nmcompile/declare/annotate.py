@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..state import records
-from ..training.optimizer_hook import driver
+from ..training.step_driver import driver
 from ..pattern import NMPattern, reduction_dim
 from .plan import Plan
 from ..recipes.base import Recipe

@@ -42,7 +42,7 @@ class Recipe:
     #: compiles one graph per frame, see :meth:`frame_at`
     framed: ClassVar[bool] = False
     #: :meth:`before_step` reads the step's gradients: with ``optimizer.step(closure)`` the closure is
-    #: evaluated before it (see :mod:`nmcompile.training.optimizer_hook`)
+    #: evaluated before it (see :mod:`nmcompile.training.step_driver`)
     reads_gradients: ClassVar[bool] = False
 
     n: int = 2  # kept weights per group
@@ -170,7 +170,7 @@ class Recipe:
         return self.mvue is not None or getattr(self, "fp8", False) or type(self).dgrad_weight is not Recipe.dgrad_weight
 
     # Called by nmcompile.hook_optimizer with every weight that carries this recipe
-    # (a list of nmcompile.training.optimizer_hook.Tracked), in place and under no_grad.
+    # (a list of nmcompile.training.step_driver.Tracked), in place and under no_grad.
     def before_step(self, weights, optimizer) -> None:
         """Before each optimizer step (STEP reads the gradients and Adam's state here)."""
 

@@ -114,7 +114,7 @@ class STEP(Recipe):
             return f"its phase ({int(switched) + 1}), switch step ({at}) and step clock ({now}) disagree"
         return super().state_problem(weight, step, phase, switch_step, z, v, dim=dim)
 
-    # ---- optimizer time (see nmcompile.training.optimizer_hook) ----
+    # ---- optimizer time (see nmcompile.training.step_driver) ----
 
     def _groups(self, weights, optimizer) -> dict[int, dict]:
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):

@@ -113,7 +113,7 @@ class WeightAnnotation:
     trace: Trace = field(default_factory=Trace, compare=False, repr=False)  # diagnostics
     pending: bool = field(default=False, compare=False)  # state not computed yet (meta weight)
     consumed: bool = field(default=False, compare=False)  # an nmsparse graph has run with it
-    # the step driver, held while the record lives (see nmcompile.training.optimizer_hook)
+    # the step driver, held while the record lives (see nmcompile.training.step_driver)
     driver: object = field(default=None, compare=False, repr=False)
     # the kernels of its training GEMMs in the graph that last ran it (a kernels.train_dispatch.TrainKernels,
     # set by the backend; read by nmcompile.training.train_report)

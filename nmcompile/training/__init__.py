@@ -1,7 +1,8 @@
 """Training time: the optimizer-step driver that runs recipe schedules, and mask diagnostics.
 
-:mod:`.optimizer_hook` holds PyTorch's global optimizer step hooks while a declared model lives
-(schedules need no call); :func:`hook_optimizer` adds diagnostics and ``check_finite``.
+:mod:`.step_driver` holds PyTorch's global optimizer step hooks while a declared model lives
+(schedules need no call; :mod:`.step_closures` and :mod:`.step_checks` are its closure handling and
+its per-step checks); :func:`hook_optimizer` (:mod:`.optimizer_hook`) adds diagnostics and ``check_finite``.
 :mod:`.diagnostics` reads what was recorded (:func:`diagnostics`) and plots it (:func:`plot_diagnostics`).
 :func:`train_report` says which kernel each training GEMM of every annotated weight runs, and why.
 """
