@@ -29,12 +29,7 @@ from ..pattern import NMPattern
 from ..state import records
 from ..state.records import DEPLOYED, deployed_of, owners
 
-__all__ = ["pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight", "packed_names"]
-
-
-def packed_names(model: nn.Module) -> list[str]:
-    """Names of the parameters of ``model`` held packed only."""
-    return [name for name, places in owners(model) if isinstance(places[0][1]._parameters[places[0][2]], PackedLinearWeight)]
+__all__ = ["pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight"]
 
 
 def _range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, measure: bool) -> tuple[int, tuple]:

@@ -27,18 +27,15 @@ import platform
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["Status", "status", "isas", "best_isa", "cpu_layout", "packed_layout", "linear", "unpack", "ISAS", "DTYPES", "GROUP"]
+__all__ = ["Status", "status", "isas", "best_isa", "cpu_layout", "packed_layout", "unpack", "ISAS", "DTYPES", "GROUP"]
 
 SOURCES = Path(__file__).with_name("cpu")
 #: ISA names the op takes, fastest first, with the cpu24_isa() bits each needs
 ISAS = {"avx512_bf16": 4, "avx512": 2, "avx2": 1}
-#: portable instantiations of the AVX-512 algorithm (for tests; any CPU)
-EMULATED = ("emulated512", "emulated512_bf16")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: at::parallel_for is OpenMP in the header: without -fopenmp the kernel would run on one thread
 FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
@@ -188,14 +185,6 @@ def _require() -> None:
     state = status()
     if not state.available:
         raise RuntimeError(f"the 2:4 CPU kernel is not available here: {state.reason}")
-
-
-def linear(x: Tensor, values: Tensor, bits: Tensor, out_features: int, bias: Optional[Tensor] = None,
-           weight: Optional[Tensor] = None, max_tokens: int = -1, isa: str | None = None) -> Tensor:
-    """``F.linear(x, W, bias)`` on the kernel (``isa``: default the fastest for the dtype)."""
-    _require()
-    return torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, weight, out_features, max_tokens,
-                                           isa or best_isa(values.dtype))
 
 
 def unpack(values: Tensor, bits: Tensor, out_features: int) -> Tensor:

@@ -48,7 +48,6 @@ struct PermuteTable {
 };
 constexpr PermuteTable kPermute{};
 
-struct Half { uint16_t v; };
 
 struct Pair {
   __m256 lo, hi;
@@ -108,18 +107,6 @@ struct Avx2 {
   }
 };
 
-template <typename W>
-void rows(const Nm24Args& a, int64_t r0, int64_t r1) {
-  if (a.tokens == 1)
-    nm24_rows<Avx2<W, 8, 1>>(a, r0, r1);
-  else
-    nm24_rows<Avx2<W, 4, 2>>(a, r0, r1);
-}
-
 }  // namespace
 
-void nm24_rows_avx2(const Nm24Args& a, int64_t r0, int64_t r1) {
-  if (a.wdtype == NM24_F32) rows<float>(a, r0, r1);
-  else if (a.wdtype == NM24_BF16) rows<uint16_t>(a, r0, r1);
-  else rows<Half>(a, r0, r1);
-}
+void nm24_rows_avx2(const Nm24Args& a, int64_t r0, int64_t r1) { nm24_rows_by_dtype<Avx2, 2>(a, r0, r1); }

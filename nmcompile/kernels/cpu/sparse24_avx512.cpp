@@ -11,7 +11,6 @@
 
 namespace {
 
-struct Half { uint16_t v; };
 
 template <typename W>
 inline __m256 load8(const W* p);
@@ -64,20 +63,8 @@ struct Avx512Bf16 {
   static inline float sum(Acc v) { return _mm512_reduce_add_ps(v); }
 };
 
-template <typename W>
-void rows(const Nm24Args& a, int64_t r0, int64_t r1) {
-  if (a.tokens == 1)
-    nm24_rows<Avx512<W, 8, 1>>(a, r0, r1);
-  else
-    nm24_rows<Avx512<W, 4, 4>>(a, r0, r1);
-}
-
 }  // namespace
 
-void nm24_rows_avx512(const Nm24Args& a, int64_t r0, int64_t r1) {
-  if (a.wdtype == NM24_F32) rows<float>(a, r0, r1);
-  else if (a.wdtype == NM24_BF16) rows<uint16_t>(a, r0, r1);
-  else rows<Half>(a, r0, r1);
-}
+void nm24_rows_avx512(const Nm24Args& a, int64_t r0, int64_t r1) { nm24_rows_by_dtype<Avx512, 4>(a, r0, r1); }
 
 void nm24_rows_avx512_bf16(const Nm24Args& a, int64_t r0, int64_t r1) { nm24_rows<Avx512Bf16>(a, r0, r1); }

@@ -37,7 +37,6 @@ inline float half_to_float(uint16_t h) {  // IEEE binary16, subnormals included
   return f;
 }
 
-struct Half { uint16_t v; };
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline float to_float(Half v) { return half_to_float(v.v); }
@@ -108,20 +107,8 @@ struct Emulated512Bf16 {
   static inline float sum(const Acc& a) { return Emulated512<float, 1, 1>::sum(a); }
 };
 
-template <typename W>
-void rows(const Nm24Args& a, int64_t r0, int64_t r1) {
-  if (a.tokens == 1)
-    nm24_rows<Emulated512<W, 8, 1>>(a, r0, r1);
-  else
-    nm24_rows<Emulated512<W, 4, 4>>(a, r0, r1);
-}
-
 }  // namespace
 
-void nm24_rows_emulated512(const Nm24Args& a, int64_t r0, int64_t r1) {
-  if (a.wdtype == NM24_F32) rows<float>(a, r0, r1);
-  else if (a.wdtype == NM24_BF16) rows<uint16_t>(a, r0, r1);
-  else rows<Half>(a, r0, r1);
-}
+void nm24_rows_emulated512(const Nm24Args& a, int64_t r0, int64_t r1) { nm24_rows_by_dtype<Emulated512, 4>(a, r0, r1); }
 
 void nm24_rows_emulated512_bf16(const Nm24Args& a, int64_t r0, int64_t r1) { nm24_rows<Emulated512Bf16>(a, r0, r1); }

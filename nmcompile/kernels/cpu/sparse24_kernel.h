@@ -24,6 +24,10 @@
 
 namespace {
 
+struct Half {  // an fp16 value's bits (the ISA units convert it)
+  uint16_t v;
+};
+
 template <class Ops, int R, int TT>
 inline void nm24_tile(const Nm24Args& a, int64_t row, int64_t t0) {
   using W = typename Ops::WT;
@@ -79,6 +83,19 @@ inline void nm24_rows(const Nm24Args& a, int64_t r0, int64_t r1) {
   for (int64_t p0 = 0; p0 < a.tokens; p0 += panel) {
     const int64_t p1 = p0 + panel < a.tokens ? p0 + panel : a.tokens;
     for (int64_t row = r0; row < r1 && row < a.n; row += R) nm24_tokens<Ops, R, TT>(a, row, p0, p1);
+  }
+}
+
+// rows [r0, r1) with the unit's fp32-product Ops for the weight's dtype: R=8 rows x 1 token for a
+// single token (decoding: memory-bound, more rows in flight), else 4 rows x TT tokens
+template <template <typename, int, int> class Ops, int TT>
+inline void nm24_rows_by_dtype(const Nm24Args& a, int64_t r0, int64_t r1) {
+  if (a.wdtype == NM24_F32) {
+    a.tokens == 1 ? nm24_rows<Ops<float, 8, 1>>(a, r0, r1) : nm24_rows<Ops<float, 4, TT>>(a, r0, r1);
+  } else if (a.wdtype == NM24_BF16) {
+    a.tokens == 1 ? nm24_rows<Ops<uint16_t, 8, 1>>(a, r0, r1) : nm24_rows<Ops<uint16_t, 4, TT>>(a, r0, r1);
+  } else {
+    a.tokens == 1 ? nm24_rows<Ops<Half, 8, 1>>(a, r0, r1) : nm24_rows<Ops<Half, 4, TT>>(a, r0, r1);
   }
 }
 
