@@ -187,7 +187,9 @@ def deploy_report(model: nn.Module) -> dict[str, object]:
     """``{parameter name: kernel decision}`` for every finalized weight of ``model``.
 
     A decision (:class:`nmcompile.kernels.dispatch.Decision`: ``kernel``, ``reason``, ``alg_id``,
-    ``min_tokens``, ``speedup``) exists once ``torch.compile(model, backend="nmsparse")`` has run;
+    ``min_tokens``, ``speedup``; on a CPU also ``isa``, ``max_tokens`` and the measured ``ratios``,
+    with ``token_range`` in words) exists once ``torch.compile(model, backend="nmsparse")`` has run
+    or :func:`nmcompile.deploy.pack_weights` packed the weight;
     before that the entry is the string ``"not compiled yet"``.
     """
     from ..kernels.dispatch import DECISION_ATTR
