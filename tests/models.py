@@ -176,13 +176,13 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
         self.fc2 = nn.Linear(32, 32)
-        self.head = nn.Linear(32, 8)
+        self.fc3 = nn.Linear(32, 8)
 
     def forward(self, x):
-        return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-MLP_WEIGHTS = {"fc1.weight": 1, "fc2.weight": 1, "head.weight": 1}
+MLP_WEIGHTS = {"fc1.weight": 1, "fc2.weight": 1, "fc3.weight": 1}
 
 
 class CNN(nn.Module):

@@ -34,7 +34,7 @@ from ..recipes.base import nearest
 
 __all__ = ["Inner", "parse_options", "NM_OPTIONS", "INNER", "PROJECTIONS"]
 
-NM_OPTIONS = ("recipe", "include", "exclude", "inner", "projections", "train_kernel", "deploy_kernel", "strict")
+NM_OPTIONS = ("recipe", "include", "exclude", "default_dense", "inner", "projections", "train_kernel", "deploy_kernel", "strict")
 INNER = ("inductor", "aot_eager", "eager")
 PROJECTIONS = ("auto", "inline", "shared")
 
@@ -110,15 +110,16 @@ def parse_options(options, mode) -> tuple[Plan | None, Inner, str]:
         )
     recipe = options.pop("recipe", None)
     include, exclude = options.pop("include", None), options.pop("exclude", None)
+    default_dense = options.pop("default_dense", None)
     name = options.pop("inner", "inductor")
     if name not in INNER:
         raise ValueError(f"nmsparse option inner={name!r} is not one of {', '.join(INNER)}")
     projections = options.pop("projections", "auto")
     if projections not in PROJECTIONS:
         raise ValueError(f"nmsparse option projections={projections!r} is not one of {', '.join(PROJECTIONS)}")
-    if recipe is None and (include or exclude):
-        raise ValueError("nmsparse options include/exclude need a 'recipe' to filter")
-    plan = Plan.build(recipe, include=include, exclude=exclude) if recipe is not None else None
+    if recipe is None and (include or exclude or default_dense is not None):
+        raise ValueError("nmsparse options include/exclude/default_dense need a 'recipe' to filter")
+    plan = Plan.build(recipe, include=include, exclude=exclude, default_dense=default_dense) if recipe is not None else None
     patches = {}
     if mode not in (None, "default"):
         patches.update(torch._inductor.list_mode_options(mode))

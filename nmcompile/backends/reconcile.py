@@ -57,6 +57,10 @@ def report(ctx: PassContext, strict: bool) -> None:
         log.info("nmsparse: %s <- %s (from %s)", t.fqn, t.recipe, t.origin)
     for ann, reason in ctx.named:  # named here: the step driver does not name them again
         ann.named = reason
+    if ctx.by_default:
+        # default behaviour, not a problem (strict does not raise), but said: the rule read "every weight"
+        shown = "".join(f"\n  {name}: {reason}" for name, reason in ctx.by_default.items())
+        warnings.warn(f"nmsparse:{shown}", stacklevel=3)
     problems = [f"\n  {name}: {reason}" for name, reason in ctx.skipped.items()]
     for origin, plan in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)):
         if plan is not None and ctx.weights and not ctx.targets:

@@ -219,7 +219,8 @@ def _skip_reason(places, recipe: Recipe | NMPattern) -> tuple[str | None, int | 
     return recipe.fits(param, dim), dim
 
 
-def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, strict: bool = False) -> AnnotationReport:
+def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, default_dense=None,
+             strict: bool = False) -> AnnotationReport:
     """Record N:M recipes on ``model``'s weights in place and create their state as buffers.
 
     Works before or after FSDP2's ``fully_shard``, on a model built on the meta device (state is
@@ -231,6 +232,8 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
         recipe_or_rules: a recipe (``"sr_ste:2:4"``, ``nmcompile.recipes.SRSTE()``), a TOML rules
             path, a ``{glob: recipe}`` dict or ``(glob, recipe)`` pairs. First matching rule wins.
         include, exclude: globs over parameter or module names.
+        default_dense: globs over module names that catch-all rules do not reach (default: output
+            heads and MoE routers, see :mod:`nmcompile.declare.defaults`); ``[]`` turns them off.
         strict: raise ``ValueError`` instead of skipping a selected weight that cannot take its recipe.
 
     Returns:
@@ -243,16 +246,17 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, s
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"annotate takes an nn.Module, got {type(model).__name__}")
-    plan = Plan.build(recipe_or_rules, include=include, exclude=exclude)
+    plan = Plan.build(recipe_or_rules, include=include, exclude=exclude, default_dense=default_dense)
     report = AnnotationReport()
     chosen = []
     for name, places in owners(model):
         _, module, pname = places[0]
         if module._parameters[pname].dim() < 2:
             continue  # biases and norm scales are not N:M candidates
-        recipe = plan.recipe_for(name)
+        shape = tuple(module._parameters[pname].shape)
+        recipe = plan.recipe_for(name, shape)
         if recipe is None:
-            report.skipped[name] = plan.filtered_out(name) or "no rule selects it (kept dense)"
+            report.skipped[name] = plan.filtered_out(name, shape) or "no rule selects it (kept dense)"
             continue
         reason, dim = _skip_reason(places, recipe)
         if reason is not None:

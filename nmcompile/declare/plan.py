@@ -2,10 +2,13 @@
 
 A rule maps a glob over parameter or module names to a recipe, or to ``"dense"`` to keep a weight
 dense. **The first rule that matches a weight wins**; ``include``/``exclude`` filter before any
-rule is looked at. A TOML rules file looks like::
+rule is looked at. Output heads and MoE routers stay dense unless a rule or ``include`` names them
+(see :mod:`nmcompile.declare.defaults`; ``default_dense`` replaces those globs, ``[]`` turns them off).
+A TOML rules file looks like::
 
     include = ["encoder.*"]          # optional
     exclude = ["*.classifier.*"]     # optional
+    default_dense = []               # optional: let catch-all rules reach heads and routers
     [rules]                          # in order, first match wins
     "*.fc1.weight" = "s_ste:2:4"
     "*.attn.*" = "dense"
@@ -25,12 +28,13 @@ from pathlib import Path
 
 from .. import recipes
 from ..recipes.base import Recipe, nearest
+from .defaults import DEFAULT_DENSE, default_reason, names_explicitly
 
 __all__ = ["Rule", "Plan", "ENV_VAR"]
 
 ENV_VAR = "NMSPARSE_RECIPE"
 _DENSE = ("dense", "none")
-_TOML_KEYS = ("recipe", "include", "exclude", "rules")
+_TOML_KEYS = ("recipe", "include", "exclude", "default_dense", "rules")
 
 
 @dataclass(frozen=True)
@@ -66,9 +70,10 @@ class Plan:
     rules: tuple[Rule, ...]
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    default_dense: tuple[str, ...] = DEFAULT_DENSE  # heads and routers; see nmcompile.declare.defaults
+    default_dense_given: bool = False  # the declaration set default_dense itself
 
-    def recipe_for(self, param_name: str) -> Recipe | None:
-        """The recipe for parameter ``param_name`` (e.g. ``"encoder.0.fc1.weight"``), or None."""
+    def _rule_for(self, param_name: str) -> Rule | None:
         names = _names(param_name)
         if self.include and not any(fnmatchcase(n, g) for g in self.include for n in names):
             return None
@@ -76,18 +81,36 @@ class Plan:
             return None
         for rule in self.rules:
             if any(fnmatchcase(n, rule.glob) for n in names):
-                return rule.recipe
+                return rule
         return None
 
-    def filtered_out(self, param_name: str) -> str | None:
-        """Why include/exclude leave ``param_name`` out, or None."""
+    def recipe_for(self, param_name: str, shape=None) -> Recipe | None:
+        """The recipe for parameter ``param_name`` (e.g. ``"encoder.0.fc1.weight"``, of ``shape``
+        where known: a router is told from a gated MLP's ``gate`` by it), or None."""
+        rule = self._rule_for(param_name)
+        if rule is None or self.kept_by_default(param_name, shape, rule) is not None:
+            return None
+        return rule.recipe
+
+    def kept_by_default(self, param_name: str, shape=None, rule: Rule | None = None) -> str | None:
+        """Why a catch-all rule that selects ``param_name`` does not reach it (an output head or a
+        MoE router not named by the rule or an include), or None."""
+        rule = rule or self._rule_for(param_name)
+        if rule is None or rule.recipe is None:
+            return None
+        if names_explicitly(rule.glob, param_name) or any(names_explicitly(g, param_name) for g in self.include):
+            return None
+        return default_reason(param_name, shape, self.default_dense)
+
+    def filtered_out(self, param_name: str, shape=None) -> str | None:
+        """Why include/exclude or the dense defaults leave ``param_name`` out, or None."""
         names = _names(param_name)
         if self.include and not any(fnmatchcase(n, g) for g in self.include for n in names):
             return f"not matched by include={list(self.include)}"
         for g in self.exclude:
             if any(fnmatchcase(n, g) for n in names):
                 return f"matched by exclude glob {g!r}"
-        return None
+        return self.kept_by_default(param_name, shape)
 
     def why_none(self, names) -> str | None:
         """Why this plan selects no weight among ``names`` (parameter names), or None if it selects
@@ -114,9 +137,10 @@ class Plan:
         return "; ".join(reasons) or "no rule matches a weight that include/exclude leave in"
 
     @classmethod
-    def build(cls, spec, *, include=None, exclude=None) -> Plan:
+    def build(cls, spec, *, include=None, exclude=None, default_dense=None) -> Plan:
         """A plan from a recipe (object or string), a TOML path, a ``{glob: recipe}`` mapping,
-        a list of ``(glob, recipe)`` pairs, or another plan."""
+        a list of ``(glob, recipe)`` pairs, or another plan. ``default_dense`` (globs over module
+        names) replaces the built-in heads-and-routers globs; ``[]`` turns them off."""
         inc, exc = _globs(include, "include"), _globs(exclude, "exclude")
         if isinstance(spec, Plan):
             base = spec
@@ -133,7 +157,9 @@ class Plan:
                 "recipe_or_rules takes a recipe ('sr_ste:2:4' or nmcompile.recipes.SRSTE()), a TOML "
                 f"file path, a {{glob: recipe}} dict or a list of (glob, recipe) pairs; got {spec!r}"
             )
-        return cls(base.rules, base.include + inc, base.exclude + exc)
+        if default_dense is None:
+            return cls(base.rules, base.include + inc, base.exclude + exc, base.default_dense, base.default_dense_given)
+        return cls(base.rules, base.include + inc, base.exclude + exc, _globs(default_dense, "default_dense"), True)
 
     @classmethod
     def from_toml(cls, path) -> Plan:
@@ -156,7 +182,10 @@ class Plan:
         rules = [Rule(g, _recipe_or_dense(r)) for g, r in table.items()]
         if "recipe" in data:
             rules.append(Rule("*", _recipe_or_dense(data["recipe"])))
-        return cls(tuple(rules), _globs(data.get("include"), "include"), _globs(data.get("exclude"), "exclude"))
+        plan = cls(tuple(rules), _globs(data.get("include"), "include"), _globs(data.get("exclude"), "exclude"))
+        if "default_dense" in data:
+            plan = cls(plan.rules, plan.include, plan.exclude, _globs(data["default_dense"], "default_dense"), True)
+        return plan
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Plan | None:

@@ -39,6 +39,7 @@ class PassContext:
     env_plan: Plan | None = None
     targets: list[NMTarget] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    by_default: dict[str, str] = field(default_factory=dict)  # heads and routers a catch-all rule left dense
     candidates: list[str] = field(default_factory=list)  # every weight consumed by a GEMM/conv
     weights: list[str] = field(default_factory=list)  # every parameter of 2 or more dims in the graph
     declared: bool = False  # whether any route declared a recipe (even "dense") for some weight

@@ -13,6 +13,7 @@ from torch.nn.utils import parametrize
 
 from ..state import records
 from ..state.records import annotation_of, deployed_of, owners, state_dict_of
+from ..declare.defaults import default_reason
 from ..recipes import parse
 from . import _graph, _sources
 from .context import NMTarget, PassContext
@@ -24,12 +25,24 @@ def _resolve(ctx: PassContext, owned, fqn: str, node, users):
         return ann.recipe, "annotate"
     if owned and deployed_of(*owned) is not None:
         return None, "finalize"  # deployed: the deploy passes take it
+    shape = tuple(node.meta["example_value"].shape) if "example_value" in node.meta else None
     region = _graph.region_recipe([use for user in users for use, _ in _graph.leaf_uses(user, node)])
     if region is not None:
-        return (None if region == "dense" else parse(region)), "region"
+        if region == "dense":
+            return None, "region"
+        why = default_reason(fqn, shape)
+        if why is not None:  # a region names no weight: heads and routers in it stay dense
+            ctx.by_default[fqn] = (why + "; a region names no weight, so declare it by name: "
+                                   "nmcompile.annotate(model, {name: recipe}) or options={'recipe': {name: recipe}}")
+            return None, "region"
+        return parse(region), "region"
     for origin, plan in (("options", ctx.options_plan), ("NMSPARSE_RECIPE", ctx.env_plan)):
         if plan is not None:
-            return plan.recipe_for(fqn), origin
+            recipe = plan.recipe_for(fqn, shape)
+            why = plan.kept_by_default(fqn, shape) if recipe is None else None
+            if why is not None and not plan.default_dense_given:
+                ctx.by_default[fqn] = f"{why} (from {origin})"
+            return recipe, origin
     return None, None
 
 

@@ -140,7 +140,7 @@ class StepDriver:
                     continue
                 if records.get(module, records.RECIPES, pname) or records.get(module, records.DEPLOYED, pname):
                     continue
-                recipe = plan.recipe_for(name)
+                recipe = plan.recipe_for(name, tuple(param.shape))
                 if recipe is not None:
                     named.add(name)
                     dense.append(f"{name} ({recipe} from {route}, {type(module).__name__})")

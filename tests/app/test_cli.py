@@ -129,7 +129,7 @@ def test_report_of_malformed_run_json_exits_2_with_one_line(tmp_path, capsys):
 
 
 class TinyLM(torch.nn.Module):
-    """The README's pattern: an embedding, declared blocks and a head left out with exclude=["lm_head"]."""
+    """An embedding, declared blocks and a head kept dense (here by exclude=["lm_head"])."""
 
     def __init__(self):
         super().__init__()

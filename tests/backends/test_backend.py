@@ -23,7 +23,7 @@ AOT = {"inner": "aot_eager"}
 class MLP(nn.Module):
     def __init__(self, regions=False):
         super().__init__()
-        self.fc1, self.fc2, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
         self.regions = regions
 
     def forward(self, x):
@@ -34,7 +34,7 @@ class MLP(nn.Module):
                 x = torch.relu(self.fc2(x))
         else:
             x = torch.relu(self.fc2(torch.relu(self.fc1(x))))
-        return self.head(x)
+        return self.fc3(x)
 
 
 def backend_error(info):
@@ -82,7 +82,7 @@ def test_options_route_with_include_exclude():
 
 def test_env_route(monkeypatch, tmp_path):
     rules = tmp_path / "rules.toml"
-    rules.write_text('[rules]\n"head" = "dense"\n"*" = "s_ste:2:4"\n')
+    rules.write_text('[rules]\n"fc3" = "dense"\n"*" = "s_ste:2:4"\n')
     monkeypatch.setenv("NMSPARSE_RECIPE", str(rules))
     model = MLP()
     x = torch.randn(4, 16)
@@ -100,9 +100,9 @@ def test_region_route_without_graph_break():
     torch._dynamo.reset()
     out = torch.compile(model, backend="nmsparse", options={"recipe": "ste", **AOT})(x)
     eff = nmcompile.effective_weights(model)
-    assert sorted(eff) == ["fc1.weight", "head.weight"]  # fc2 opted out by its dense region
+    assert sorted(eff) == ["fc1.weight", "fc3.weight"]  # fc2 opted out by its dense region
     assert annotation_of(model.fc1, "weight").recipe == recipes.SSTE()  # the region's recipe, not the options'
-    assert annotation_of(model.head, "weight").recipe == recipes.STE()
+    assert annotation_of(model.fc3, "weight").recipe == recipes.STE()
     torch.testing.assert_close(out, eager_with(model, x))
 
 
@@ -341,7 +341,7 @@ def test_in_place_module_compile():
     model.compile(backend="nmsparse", options={"recipe": "sr_ste", **AOT})
     x = torch.randn(4, 16)
     out = model(x)
-    assert sorted(nmcompile.effective_weights(model)) == ["fc1.weight", "fc2.weight", "head.weight"]
+    assert sorted(nmcompile.effective_weights(model)) == ["fc1.weight", "fc2.weight", "fc3.weight"]
     torch.testing.assert_close(out, eager_with(model, x))
 
 

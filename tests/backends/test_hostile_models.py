@@ -356,7 +356,7 @@ def test_weights_tied_after_annotate():
     assert not [m for m in messages if "no torch.compile" in m], messages
 
     model = TinyLM()  # a head tied to the embedding: dense, named as tied to an embedding
-    report = nmcompile.annotate(model, "sr_ste:2:4")
+    report = nmcompile.annotate(model, {"head": "sr_ste:2:4"})  # named: heads are dense by default
     assert list(report.annotated) == ["head.weight"]
     model.head.weight = model.emb.weight
     torch._dynamo.reset()

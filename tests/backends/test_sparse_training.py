@@ -39,10 +39,10 @@ class MLP(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.fc1, self.fc2, self.head = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 8)
 
     def forward(self, x):
-        return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
 class Conv1DMLP(nn.Module):
@@ -92,7 +92,7 @@ def expected_roles(name: str, wgrad: str) -> dict[str, str]:
     dgrad = "S" if name in ("transposable", "bi_mask") else "."
     w = "S" if wgrad == "mvue24" else "."
     # fc1's input needs no gradient; the head ([8, 64]) does not fit the reference kernel's shapes
-    return {"fc1.weight": forward + "." + w, "fc2.weight": forward + dgrad + w, "head.weight": "..."}
+    return {"fc1.weight": forward + "." + w, "fc2.weight": forward + dgrad + w, "fc3.weight": "..."}
 
 
 # mvue12 makes dY 1:2, which the kernels leave dense, as with wgrad=dense (the slow set runs it)
@@ -127,13 +127,13 @@ def test_conv1d_forms_take_the_kernels_through_the_transpose(recipe):
 def test_report_names_each_gemm_s_kernel_and_reason():
     model = MLP()
     nmcompile.annotate(model, "transposable:2:4,wgrad=mvue24")
-    assert train_report(model) == {n: "not compiled yet" for n in ("fc1.weight", "fc2.weight", "head.weight")}
+    assert train_report(model) == {n: "not compiled yet" for n in ("fc1.weight", "fc2.weight", "fc3.weight")}
     compiled = torch.compile(model, backend="nmsparse", options={**AOT, "train_kernel": "reference"})
     compiled(torch.randn(32, 32)).sum().backward()
     report = train_report(model)
     assert report["fc2.weight"].dgrad.kernel == "reference" and "CUTLASS's layout" in report["fc2.weight"].dgrad.reason
     assert "the layer's input needs no gradient" in report["fc1.weight"].dgrad.reason
-    assert "row count (8) is not a multiple of 32" in report["head.weight"].forward.reason
+    assert "row count (8) is not a multiple of 32" in report["fc3.weight"].forward.reason
     text = str(report)
     assert "fc2.weight:\n  forward: reference:" in text and "wgrad: reference" in text
 

@@ -11,7 +11,7 @@ def test_first_matching_rule_wins():
     plan = Plan.build({"enc.*.fc1.weight": "s_ste", "enc.*": "dense", "*": "sr_ste"})
     assert plan.recipe_for("enc.0.fc1.weight") == recipes.SSTE()
     assert plan.recipe_for("enc.0.fc2.weight") is None
-    assert plan.recipe_for("head.weight") == recipes.SRSTE()
+    assert plan.recipe_for("dec.fc.weight") == recipes.SRSTE()
 
 
 def test_include_exclude_match_parameter_or_module_names():

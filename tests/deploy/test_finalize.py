@@ -33,7 +33,7 @@ def test_finalized_model_computes_the_trained_function(key):
         trained = compiled(x)  # the backend's eval forward with the recipe's effective weights
         effective = nmcompile.effective_weights(model)
     report = nmcompile.finalize(model)
-    assert set(report) == {"fc1.weight", "fc2.weight", "head.weight"}
+    assert set(report) == {"fc1.weight", "fc2.weight", "fc3.weight"}
     for name, param in model.named_parameters():
         if name in effective:
             assert torch.equal(param.detach(), effective[name]), name

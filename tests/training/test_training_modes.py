@@ -163,14 +163,14 @@ class Checkpointed(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.use_checkpoint = use_checkpoint
-        self.fc1, self.fc2, self.head = nn.Linear(32, 48), nn.Linear(48, 32), nn.Linear(32, 8)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(32, 48), nn.Linear(48, 32), nn.Linear(32, 8)
 
     def block(self, x):
         return self.fc2(torch.tanh(self.fc1(x)))
 
     def forward(self, x):
         h = checkpoint(self.block, x, use_reentrant=False) if self.use_checkpoint else self.block(x)
-        return self.head(h)
+        return self.fc3(h)
 
 
 def checkpoint_run(spec, use_checkpoint, seed=123):
