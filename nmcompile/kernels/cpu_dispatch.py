@@ -5,8 +5,10 @@ weight once per token, and the packed weight is about half the bytes) and loses 
 compute-bound (prefill, batches: the dense GEMM's blocking is better and the sparse one does the
 same products plus the expansion). :func:`measure_cpu` times both, interleaved, on a ladder of
 token counts (or the graph's static count) and keeps the sparse kernel up to the largest count
-below which it was faster at every rung (``max_tokens``); larger calls take the dense GEMM inside
-the same op. Measurements are made on random weights of the layer's shape and dtype, once per
+below which it was clearly faster at every rung (``max_tokens``: the slower quartile of the sparse
+timings beats the faster quartile of the dense ones by the margin, so that a noisy machine's lucky
+median does not pick a kernel that is slower in use); larger calls take the dense GEMM inside the
+same op. Measurements are made on random weights of the layer's shape and dtype, once per
 shape, thread count and ISA in a process.
 """
 
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from . import cpu24
 from .dispatch import MARGIN, Decision
 
-__all__ = ["measure_cpu", "sparse_range", "CPU_LADDER", "time_pair"]
+__all__ = ["measure_cpu", "sparse_range", "CPU_LADDER", "time_pair", "time_series"]
 
 #: token counts tried when the graph's token count is dynamic
 CPU_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -31,8 +33,8 @@ CPU_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RUNG_BUDGET = 0.08
 
 
-def time_pair(first, second, budget: float = RUNG_BUDGET) -> tuple[float, float]:
-    """Median seconds of ``first()`` and ``second()``, called alternately (so both see the same machine)."""
+def time_series(first, second, budget: float = RUNG_BUDGET) -> tuple[list[float], list[float]]:
+    """Seconds of each call of ``first()`` and ``second()``, called alternately (so both see the same machine)."""
     for fn in (first, second):
         fn()
     start = time.perf_counter()
@@ -46,13 +48,25 @@ def time_pair(first, second, budget: float = RUNG_BUDGET) -> tuple[float, float]
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
+    return a, b
+
+
+def time_pair(first, second, budget: float = RUNG_BUDGET) -> tuple[float, float]:
+    """Median seconds of ``first()`` and ``second()``, called alternately."""
+    a, b = time_series(first, second, budget)
     return statistics.median(a), statistics.median(b)
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
 
 
 @functools.lru_cache(maxsize=64)
 def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, threads: int,
-            ladder: tuple[int, ...], packed_only: bool = False) -> tuple[tuple[int, float], ...]:
-    """``((tokens, dense / sparse time), ...)`` up to the first rung where sparse was not faster.
+            ladder: tuple[int, ...], packed_only: bool = False) -> tuple[tuple[int, float, bool], ...]:
+    """``((tokens, dense / sparse median time, clearly faster), ...)`` up to the first rung where
+    sparse was not clearly faster (its slower quartile within the margin of dense's faster one).
 
     ``packed_only``: the weight has no dense copy, so the alternative to the kernel is unpacking it
     for the call and then the dense GEMM (what ``cpu24_linear`` does above ``max_tokens``)."""
@@ -74,21 +88,23 @@ def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, thr
             else:
                 def alternative():
                     return F.linear(x, w, b)
-            dense, sparse = time_pair(
+            dense, sparse = time_series(
                 alternative, lambda: torch.ops.nmsparse.cpu24_linear(x, values, bits, b, None, out_f, -1, isa)
             )
-            ratios.append((tokens, dense / sparse))
-            if dense <= MARGIN * sparse:
+            clear = _quartiles(dense)[0] > MARGIN * _quartiles(sparse)[1]
+            ratios.append((tokens, statistics.median(dense) / statistics.median(sparse), clear))
+            if not clear:
                 break
     return tuple(ratios)
 
 
 def sparse_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
                  packed_only: bool = False) -> tuple[int, tuple]:
-    """``(max_tokens, ratios)``: the largest rung up to which the kernel was faster at every rung (0:
-    not even at the first), and the measured ``((tokens, ratio), ...)``."""
-    ratios = _ratios(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only)
-    faster = [count for count, ratio in ratios if ratio > MARGIN]
+    """``(max_tokens, ratios)``: the largest rung up to which the kernel was clearly faster at every
+    rung (0: not even at the first), and the measured ``((tokens, median ratio), ...)``."""
+    measured = _ratios(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only)
+    faster = [count for count, _, clear in measured if clear]
+    ratios = tuple((count, ratio) for count, ratio, _ in measured)
     return (faster[-1] if faster and faster[0] == ladder[0] else 0), ratios
 
 

@@ -81,7 +81,7 @@ def _patched_ratios(monkeypatch, ratios):
         kept = []
         for count in ladder:
             ratio = ratios.get(count, 0.5)
-            kept.append((count, ratio))
+            kept.append((count, ratio, ratio > cpu_dispatch.MARGIN))
             if ratio <= cpu_dispatch.MARGIN:
                 break
         return tuple(kept)
@@ -103,6 +103,24 @@ def test_the_sparse_range_ends_below_the_first_rung_that_was_not_faster(monkeypa
     _patched_ratios(monkeypatch, {64: 1.3})
     static = cpu_dispatch.measure_cpu(qualify(w, "auto"), w, None, 64)
     assert static.kernel == "cpu24" and static.max_tokens == 64 and static.ratios == ((64, 1.3),)
+
+
+@needs_kernel
+def test_a_win_inside_the_timing_noise_is_not_taken(monkeypatch):
+    """The median favours the kernel at 2 tokens (1.08x) but the quartiles overlap: the range ends at 1."""
+    series = iter([
+        ([2.0] * 5, [1.0] * 5),  # 1 token: clearly faster
+        ([1.0, 1.0, 1.3, 1.3, 1.3], [0.9, 0.9, 1.2, 1.2, 1.2]),  # 2 tokens: dense q1 1.0 vs sparse q3 1.2
+        ([9.0] * 5, [1.0] * 5),  # never reached: the ladder stops at the first unclear rung
+    ])
+    monkeypatch.setattr(cpu_dispatch, "time_series", lambda first, second, budget=0: next(series))
+    cpu_dispatch._ratios.cache_clear()
+    try:
+        max_tokens, ratios = cpu_dispatch.sparse_range(32, 64, torch.float32, False, "avx2", ladder=(1, 2, 4))
+    finally:
+        cpu_dispatch._ratios.cache_clear()
+    assert max_tokens == 1
+    assert [t for t, _ in ratios] == [1, 2] and ratios[0][1] == 2.0 and abs(ratios[1][1] - 1.3 / 1.2) < 1e-9
 
 
 @needs_kernel
