@@ -258,6 +258,7 @@ def autocast_kernel(op, device_type: str, keep: tuple[int, ...] = ()):
     (float16 or bfloat16) at each call. The positional arguments at ``keep`` are passed uncast.
     """
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+    overload = getattr(op, "_opoverload", op)  # a custom_op's, or an OpOverload (ops defined in C++)
 
     def kernel(keyset, *args):
         dtype = torch.get_autocast_dtype(device_type)
@@ -270,7 +271,7 @@ def autocast_kernel(op, device_type: str, keep: tuple[int, ...] = ()):
             return value.to(dtype) if eligible else value
 
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return op._opoverload(*[a if i in keep else cast(a) for i, a in enumerate(args)])
+            return overload(*[a if i in keep else cast(a) for i, a in enumerate(args)])
 
     return kernel
 
