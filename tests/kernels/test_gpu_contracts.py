@@ -131,7 +131,7 @@ def test_the_ladder_and_the_search_use_counts_cusparselt_takes():
         assert timed == list(TOKEN_LADDER)
         emu.calls.clear()
         static = dispatch.measure(decision, w, bias, values, 197, 64)  # ViT's 197 tokens: run and searched at 200
-        assert static.kernel == "dense" or static.min_tokens == 0
+        assert static.kernel == "cusparselt" and static.min_tokens == 0, static
         assert {c.dims[2] for c in emu.calls if c.op.startswith("cslt_sparse_mm")} == {200}
         x = torch.randn(65, 64).to(BF16)  # past min_tokens=64 but not a multiple of 8
         close(sparse_linear(x, w, values, values.new_empty(0), bias, "cusparselt", 0, dynamic.min_tokens),
