@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import nmcompile
-from nmcompile.kernels import dispatch, training
+from nmcompile.kernels import dispatch
 from nmcompile.kernels.dispatch import TOKEN_LADDER, kernel_unavailable, qualify
 from nmcompile.kernels.inductor import DENSE_MULTIPLE, compress, padded_tokens
 
@@ -244,7 +244,7 @@ def test_cusparselt_needs_compute_capability_8_0(capability, ok):
     decision = qualify(w, "auto", device_type="cuda", cusparselt_available=True, capability=capability)
     assert decision.kernel == ("cusparselt" if ok else "dense")
     if not ok:
-        assert f"compute capability 8.0 or newer" in why and f"sm{capability[0]}{capability[1]}" in why
+        assert "compute capability 8.0 or newer" in why and f"sm{capability[0]}{capability[1]}" in why
         with pytest.raises(ValueError, match="deploy_kernel='cusparselt' cannot be used: cuSPARSELt's 2:4 kernels need"):
             qualify(w, "cusparselt", device_type="cuda", cusparselt_available=True, capability=capability)
         with emulated_gpu(capability=capability):  # the device rules read the GPU's capability
