@@ -10,7 +10,8 @@ out of time is recorded as such, and the next part runs):
 2. the risks only a GPU can settle (``gpu_risks.py``): one cuSPARSELt algorithm id reused across
    token counts, sm90's structured and dense dims, CUDA-graph capture of the 2:4 ops, STEP's gate
    (its host syncs, and training under ``mode="reduce-overhead"``), and one step of every recipe on
-   cuSPARSELt against the reference kernel (which refuses what cuSPARSELt would prune silently);
+   cuSPARSELt against the reference kernel (which refuses what cuSPARSELt would prune silently),
+   and a user's post-grad pass beside nmcompile's on this torch;
 3. the gpu-marked tests, one ``pytest`` per test file, each with its share of what is left of
    ``--tests-s`` (so that one slow file, e.g. the Inductor training compiles of test_training_modes,
    times out alone and the other files still report);

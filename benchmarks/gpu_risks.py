@@ -12,7 +12,9 @@ the ops accept and read as meant; these checks ask the GPU itself:
 - ``step_gate``: STEP's gate is a 0-d tensor branched on in the training op (a host sync per layer
   per forward): the syncs one compiled step makes, and whether ``mode="reduce-overhead"`` trains;
 - ``silent_pruning``: one training step of each recipe with cuSPARSELt against the reference kernel
-  (which refuses an operand that is not 2:4, where cuSPARSELt would prune it silently).
+  (which refuses an operand that is not 2:4, where cuSPARSELt would prune it silently);
+- ``post_grad_passes``: a user's own post-grad pass next to nmcompile's cache-key pass, which
+  makes ``post_grad_custom_post_pass`` a list (accepted by torch 2.13; the GPU machines run 2.11).
 
 Each check returns rows ``{"check", "case", "status", "detail"}``; status is ``ok``, ``failed`` (with
 the error or the mismatch) or ``skipped`` (with why). On a CPU every check that needs CUDA says so;
@@ -198,8 +200,31 @@ def silent_pruning(device, recipes=RECIPES, kernel: str = "cusparselt") -> list[
     return rows
 
 
+def post_grad_passes(device) -> list[dict]:
+    from nmcompile.kernels.inductor import CacheKeyPass
+
+    class Counting(CacheKeyPass):  # the user's pass: counts its calls
+        calls = 0
+
+        def __call__(self, graph) -> None:
+            type(self).calls += 1
+
+    model = _mlp(device)
+    nmcompile.annotate(model, "ste:2:4")
+    torch._dynamo.reset()
+    case = f"user pass and nmcompile's, torch {torch.__version__}"
+    try:
+        compiled = torch.compile(model, backend="nmsparse",
+                                 options={"post_grad_custom_post_pass": Counting("user"), "train_kernel": "dense"})
+        _step(model, compiled, torch.randn(4, 8, 256, device=device, dtype=torch.bfloat16))
+    except Exception as exc:
+        return [row("post_grad_passes", case, "failed", _error(exc))]
+    status = "ok" if Counting.calls > 0 else "failed"
+    return [row("post_grad_passes", case, status, f"the user's pass ran {Counting.calls} times")]
+
+
 CHECKS = {"alg_id": alg_id, "sm90_shapes": sm90_shapes, "cuda_graph": cuda_graph, "step_gate": step_gate,
-          "silent_pruning": silent_pruning}
+          "silent_pruning": silent_pruning, "post_grad_passes": post_grad_passes}
 
 
 def run_checks(device, left=lambda: float("inf"), needs: float = 20.0) -> list[dict]:

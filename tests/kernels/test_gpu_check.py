@@ -97,6 +97,8 @@ def test_risk_checks_run_against_the_cuda_contracts_on_the_cpu(gpu_check):
     assert by_check["cuda_graph"] == [gpu_risks.row("cuda_graph", "capture", "skipped", "needs CUDA")]
     assert {c.dims[2] for c in emu.calls if c.op == "cslt_sparse_mm_search"} == {4096}
     assert gpu_risks.step_gate("cpu")[0]["status"] == "skipped"
+    (passes,) = gpu_risks.post_grad_passes("cpu")  # torch 2.13 takes the list; the GPU machines' 2.11 says
+    assert passes["status"] == "ok" and "ran 2 times" in passes["detail"], passes  # forward and backward graphs
     # a wrong product is a failed row, not a pass
     assert gpu_risks._compare(torch.ones(4), torch.zeros(4))[0] == "failed"
     skipped = gpu_risks.run_checks("cpu", left=lambda: 0.0)
