@@ -81,6 +81,8 @@ def qualify(
     running build and its GPU; tests pass them to check the CUDA rules on a CPU weight.
     """
     device_type = device_type or weight.device.type
+    if capability is None and weight.device.type == "cuda":  # the weight's GPU, not the current one
+        capability = torch.cuda.get_device_capability(weight.device)
     out_f, in_f = weight.shape
     if requested == "dense":
         return Decision("dense", "deploy_kernel='dense' was requested")

@@ -15,6 +15,7 @@ import nmcompile
 from nmcompile.kernels import dispatch
 from nmcompile.kernels.dispatch import TOKEN_LADDER, kernel_unavailable, qualify
 from nmcompile.kernels.inductor import DENSE_MULTIPLE, compress, padded_tokens
+from nmcompile.kernels.train_dispatch import TrainKernelError, decide
 
 from _gpu_contracts import ContractError, emulated_gpu
 
@@ -249,3 +250,8 @@ def test_cusparselt_needs_compute_capability_8_0(capability, ok):
             qualify(w, "cusparselt", device_type="cuda", cusparselt_available=True, capability=capability)
         with emulated_gpu(capability=capability):  # the device rules read the GPU's capability
             assert qualify(w, "auto", device_type="cuda").kernel == "dense"
+        train = dict(layer="fc1.weight", not_24=None, rows=64, cols=64, n=64, dtype=BF16, device_type="cuda",
+                     cusparselt_available=True, capability=capability)
+        assert "need compute capability 8.0" in decide("auto", "forward", **train).reason
+        with pytest.raises(TrainKernelError, match="train_kernel='cusparselt' cannot run the forward GEMM of 'fc1.weight'"):
+            decide("cusparselt", "forward", **train)
