@@ -11,6 +11,7 @@ goes through the contracts) and reports the sparse kernel faster from ``faster_f
 What each emulated op models (PyTorch 2.13, the sources named):
 
 ``_cslt_compress(input)`` (aten/src/ATen/native/sparse/cuda/cuSPARSELtOps.cpp):
+  - compute capability 8.0 or newer (cuSPARSELt's own requirement: sparse tensor cores);
   - dtype: int8, fp16, bf16, fp32, else "Unsupported dtype for cuSPARSELt compressed matrix";
   - ``cusparseLtStructuredDescriptorInit(rows=size(0), cols=size(1), ld=size(1), ORDER_ROW)``: the
     memory at ``data_ptr()`` is read as row-major with ``ld = cols`` whatever the strides; rows and
@@ -141,7 +142,12 @@ class Emulator:
 
     # ---- cuSPARSELt
 
+    def _cslt_arch(self) -> None:
+        if tuple(self.capability) < (8, 0):  # cusparseLtInit on a GPU without sparse tensor cores
+            raise ContractError(f"cuSPARSELt: CUSPARSE_STATUS_ARCH_MISMATCH on sm{self.capability[0]}{self.capability[1]}")
+
     def cslt_compress(self, sparse_input: torch.Tensor) -> torch.Tensor:
+        self._cslt_arch()
         dtype = sparse_input.dtype
         if dtype not in CUSPARSELT_SHAPES:
             raise ContractError("Unsupported dtype for cuSPARSELt compressed matrix")
@@ -164,6 +170,7 @@ class Emulator:
         return out
 
     def _cslt_operands(self, compressed_A, dense_B, bias, out_dtype, transpose_result):
+        self._cslt_arch()
         dtype = compressed_A.dtype
         if dtype not in CUSPARSELT_SHAPES or dtype == torch.int8:
             raise ContractError("Unsupported dtype for cuSPARSELt compressed matrix multiplication.")

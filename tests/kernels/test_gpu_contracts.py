@@ -250,6 +250,8 @@ def test_cusparselt_needs_compute_capability_8_0(capability, ok):
             qualify(w, "cusparselt", device_type="cuda", cusparselt_available=True, capability=capability)
         with emulated_gpu(capability=capability):  # the device rules read the GPU's capability
             assert qualify(w, "auto", device_type="cuda").kernel == "dense"
+            with pytest.raises(ContractError, match="ARCH_MISMATCH"):  # what auto would have run into
+                torch._cslt_compress(w)
         train = dict(layer="fc1.weight", not_24=None, rows=64, cols=64, n=64, dtype=BF16, device_type="cuda",
                      cusparselt_available=True, capability=capability)
         assert "need compute capability 8.0" in decide("auto", "forward", **train).reason
