@@ -248,16 +248,17 @@ linear.register_autograd(_linear_backward, setup_context=_gemm_setup)
 conv.register_autograd(_conv_backward, setup_context=_gemm_setup)
 
 
-def autocast_kernel(op, device_type: str):
+def autocast_kernel(op, device_type: str, keep: tuple[int, ...] = ()):
     """The ``Autocast<device>`` kernel of a GEMM op: cast as ``F.linear``/``conv`` are under autocast.
 
     aten's GEMMs run in the autocast dtype; without this kernel the dispatcher falls through
     autocast, and Dynamo/AOTAutograd (which run the compiled graph with autocast off) would keep a
     rewritten layer in float32 while its fake kernel and eager body disagree on the output dtype.
     ``torch.library.register_autocast`` casts to one fixed dtype; this reads the active one
-    (float16 or bfloat16) at each call.
+    (float16 or bfloat16) at each call. The positional arguments at ``keep`` are passed uncast.
     """
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+    overload = getattr(op, "_opoverload", op)  # a custom_op's, or an OpOverload (ops defined in C++)
 
     def kernel(keyset, *args):
         dtype = torch.get_autocast_dtype(device_type)
@@ -270,7 +271,7 @@ def autocast_kernel(op, device_type: str):
             return value.to(dtype) if eligible else value
 
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return op._opoverload(*[cast(a) for a in args])
+            return overload(*[a if i in keep else cast(a) for i, a in enumerate(args)])
 
     return kernel
 

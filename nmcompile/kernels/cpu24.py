@@ -221,3 +221,18 @@ def _register_python_parts() -> None:
         return dx, None, None, db, dw, None, None, None
 
     torch.library.register_autograd(lib, backward, setup_context=setup)
+
+    _autocast_library()
+
+
+@functools.lru_cache(maxsize=1)
+def _autocast_library() -> torch.library.Library:
+    """``nmsparse::cpu24_linear``'s AutocastCPU kernel: ``x``, ``bias``, ``weight`` and ``values`` cast as
+    ``F.linear`` casts its operands (the values are plain weights in the CPU layout; the bits are int16
+    and stay). A registration lives as long as its Library object, which the cache keeps."""
+    from ..ops import autocast_kernel
+
+    fragment = torch.library.Library("nmsparse", "FRAGMENT")
+    fragment.impl("cpu24_linear", autocast_kernel(torch.ops.nmsparse.cpu24_linear.default, "cpu"), "AutocastCPU",
+                  with_keyset=True)
+    return fragment

@@ -23,8 +23,12 @@ from .. import masks
 __all__ = ["Decision", "qualify", "measure", "kernel_unavailable", "time_cuda", "DECISION_ATTR", "MARGIN"]
 
 DECISION_ATTR = "_nmcompile_kernel"
-#: token counts tried when the graph's token count is dynamic
-TOKEN_LADDER = (1, 16, 64, 256, 1024, 4096)
+#: token counts tried when the graph's token count is dynamic: multiples of 8, the only dense dims
+#: cuSPARSELt takes for fp16/bf16 (other counts are padded to the next one when they run)
+TOKEN_LADDER = (8, 16, 64, 256, 1024, 4096)
+#: cuSPARSELt's 2:4 kernels need compute capability 8.0 (Ampere) or newer; wheels built with it report
+#: ``torch.backends.cusparselt.is_available()`` on older GPUs too
+CUSPARSELT_MIN_CAPABILITY = (8, 0)
 #: the sparse kernel must beat dense by this factor to be chosen
 MARGIN = 1.02
 CUSPARSELT_DTYPES = (torch.float16, torch.bfloat16)
@@ -67,15 +71,18 @@ class Decision:
 
 
 def qualify(
-    weight: torch.Tensor, requested: str, *, device_type: str | None = None, cusparselt_available: bool | None = None
+    weight: torch.Tensor, requested: str, *, device_type: str | None = None, cusparselt_available: bool | None = None,
+    capability: tuple[int, int] | None = None,
 ) -> Decision:
     """The decision before any timing. ``requested``: ``auto``, ``dense``, ``cusparselt``, ``cpu24`` or
     ``reference``.
 
-    ``device_type`` and ``cusparselt_available`` default to the weight's device and the running
-    build; tests pass them to check the CUDA rules on a CPU weight.
+    ``device_type``, ``cusparselt_available`` and ``capability`` default to the weight's device, the
+    running build and its GPU; tests pass them to check the CUDA rules on a CPU weight.
     """
     device_type = device_type or weight.device.type
+    if capability is None and weight.device.type == "cuda":  # the weight's GPU, not the current one
+        capability = torch.cuda.get_device_capability(weight.device)
     out_f, in_f = weight.shape
     if requested == "dense":
         return Decision("dense", "deploy_kernel='dense' was requested")
@@ -90,7 +97,9 @@ def qualify(
         return Decision("dense", f"shape [{out_f}, {in_f}] is not a multiple of 16 in both dims (2:4 kernel minimum)")
     if requested == "reference":
         return Decision("reference", "deploy_kernel='reference': packed 2:4 weight, dense GEMM (checks the rewrite)")
-    why = kernel_unavailable("cusparselt", device_type, weight.dtype, cusparselt_available=cusparselt_available)
+    why = kernel_unavailable(
+        "cusparselt", device_type, weight.dtype, cusparselt_available=cusparselt_available, capability=capability
+    )
     if why is not None:
         return _refuse(requested, why)
     return Decision("cusparselt", "2:4 weight, fp16/bf16, shape qualifies")
@@ -103,8 +112,8 @@ def kernel_unavailable(
     """Why the GPU 2:4 ``kernel`` (``cusparselt`` or ``cutlass``) cannot run here, or None if it can.
 
     The rules that need no timing, shared by the deploy and the training decisions: CUDA device,
-    the kernel in the build (cuSPARSELt) or on the GPU generation (PyTorch's CUTLASS 2:4 kernels
-    are compiled for compute capability 8.x only), fp16/bf16. ``cusparselt_available`` and
+    the kernel in the build and on the GPU generation (cuSPARSELt: compute capability 8.0 or newer;
+    PyTorch's CUTLASS 2:4 kernels are compiled for 8.x only), fp16/bf16. ``cusparselt_available`` and
     ``capability`` default to the running build and GPU; tests pass them.
     """
     if device_type != "cuda":
@@ -114,6 +123,13 @@ def kernel_unavailable(
             cusparselt_available = torch.backends.cusparselt.is_available()
         if not cusparselt_available:
             return "this torch build has no cuSPARSELt"
+        if capability is None:
+            capability = torch.cuda.get_device_capability()
+        if tuple(capability) < CUSPARSELT_MIN_CAPABILITY:
+            return (
+                f"cuSPARSELt's 2:4 kernels need compute capability 8.0 or newer (sparse tensor cores), this GPU "
+                f"is sm{capability[0]}{capability[1]}; use the dense GEMM (deploy_kernel/train_kernel 'dense' or 'auto')"
+            )
     else:
         if not hasattr(torch, "_sparse_semi_structured_mm"):
             return "this torch build has no CUTLASS 2:4 ops (torch._sparse_semi_structured_mm)"
@@ -167,22 +183,28 @@ def time_cuda(fn, reps: int = 20) -> float:
 
 
 def measure(decision: Decision, weight, bias, values, tokens: int | None, in_features: int) -> Decision:
-    """Time dense vs cuSPARSELt on this layer; keep sparse only where it is faster (CUDA only)."""
+    """Time dense vs cuSPARSELt on this layer; keep sparse only where it is faster (CUDA only).
+
+    ``tokens``: the layer's static token count, or None (dynamic: the :data:`TOKEN_LADDER`). Each
+    count is timed as the op runs it (padded to a multiple of 8 where it is not one), with the algorithm
+    searched at the largest count, which the op then uses at every count."""
     import torch.nn.functional as F
 
-    from .inductor import sparse_linear
+    from .inductor import padded_tokens, sparse_linear
 
     if decision.kernel != "cusparselt":
         return decision
     w = weight.detach()
     b = None if bias is None else bias.detach()
     ladder = (tokens,) if tokens is not None else TOKEN_LADDER
-    alg_id, faster, speedup = 0, [], None
+    faster, speedup = [], None
     with torch.no_grad():
+        # searched at the largest count as the kernel runs it (padded to cuSPARSELt's multiple), then
+        # every count is timed with that algorithm, the one it will run with
+        padded = torch.randn(padded_tokens(ladder[-1]), in_features, device=w.device, dtype=w.dtype)
+        alg_id = int(torch._cslt_sparse_mm_search(values, padded.t(), bias=b, transpose_result=True))
         for count in ladder:
             x = torch.randn(count, in_features, device=w.device, dtype=w.dtype)
-            if count == ladder[-1]:
-                alg_id = int(torch._cslt_sparse_mm_search(values, x.t(), bias=b, transpose_result=True))
             dense = time_cuda(lambda: F.linear(x, w, b))
             sparse = time_cuda(lambda: sparse_linear(x, w, values, values.new_empty(0, dtype=torch.int16), b, "cusparselt", alg_id, 0))
             faster.append(dense > MARGIN * sparse)

@@ -6,12 +6,17 @@
 - ``kernel="cusparselt"``: ``values`` is ``torch._cslt_compress(weight)`` (made once, when the
   graph is compiled), the product is ``torch._cslt_sparse_mm`` with the bias fused and the
   searched ``alg_id``; calls with fewer than ``min_tokens`` rows take the dense GEMM instead
-  (decode shapes, where the sparse kernel measured slower);
+  (decode shapes, where the sparse kernel measured slower). cuSPARSELt takes token counts that
+  are multiples of :data:`DENSE_MULTIPLE` only: others are padded with zero rows and the result
+  narrowed (as PyTorch's own 2:4 tensors do), and an input that is neither row- nor column-major
+  is copied first (the op trusts ``is_contiguous()`` alone for the layout);
 - ``kernel="reference"``: ``values``/``meta`` are :func:`nmcompile.pack`'s format and the product
   is a dense GEMM of the unpacked weight: the same graph, runnable and checkable on any device.
 
 Inductor keeps the op as an extern kernel (the cuSPARSELt call has no Inductor template). Its
 autograd is the dense one, so an eval-mode model with gradients enabled still differentiates.
+Under ``torch.autocast`` it casts ``x``, ``weight`` and ``bias`` as ``F.linear`` would; a
+compressed weight of another dtype than the autocast one takes the dense GEMM on ``weight``.
 
 :class:`CacheKeyPass` is a no-op post-grad pass whose ``uuid()`` hashes nmcompile's version, the
 files that define its ops and passes, and the compile's plan (recipes, kernel decisions), so
@@ -30,11 +35,20 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..ops import autocast_kernel
 from .packed import Packed24, pack, unpack
+from .training import ALIGNMENT, strided
 
-__all__ = ["sparse_linear", "compress", "CacheKeyPass", "KERNELS"]
+__all__ = ["sparse_linear", "compress", "padded_tokens", "CacheKeyPass", "KERNELS", "DENSE_MULTIPLE"]
 
 KERNELS = ("cusparselt", "cpu24", "reference")
+#: cuSPARSELt's dense dims (the token count here) must be multiples of 8 for fp16/bf16
+DENSE_MULTIPLE = ALIGNMENT["cusparselt"][2]
+
+
+def padded_tokens(tokens: int) -> int:
+    """``tokens`` rounded up to the dense multiple cuSPARSELt takes (fp16/bf16: 8), as the kernel runs it."""
+    return -(-tokens // DENSE_MULTIPLE) * DENSE_MULTIPLE
 
 
 def _sparse_linear(
@@ -42,15 +56,21 @@ def _sparse_linear(
     min_tokens: int,
 ) -> Tensor:
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if tokens < min_tokens:
+    if tokens == 0 or tokens < min_tokens:
         return F.linear(x, weight, bias)
     if kernel == "reference":
         return F.linear(x, unpack(Packed24(values, meta)).to(x.dtype), bias)
+    if x.dtype != values.dtype:  # autocast to the other 16-bit type: the compressed buffer cannot be cast
+        return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    out = torch._cslt_sparse_mm(values, x2.t(), bias=bias, transpose_result=True, alg_id=alg_id)
+    if tokens % DENSE_MULTIPLE:  # cuSPARSELt refuses other dense dims: pad the rows (a contiguous copy)
+        x2 = F.pad(x2, (0, 0, 0, padded_tokens(tokens) - tokens))
+    # _cslt_sparse_mm reads a non-contiguous dense operand as column-major with ld = in_features without
+    # looking at its strides: a slice (h[..., :d]) or a strided view must be copied, or the result is wrong
+    out = torch._cslt_sparse_mm(values, strided(x2.t()), bias=bias, transpose_result=True, alg_id=alg_id)
     if out.shape[0] != x2.shape[0]:  # builds without the fused transpose
         out = out.t()
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out[:tokens].reshape(*x.shape[:-1], weight.shape[0]).contiguous()
 
 
 sparse_linear = torch.library.custom_op("nmsparse::sparse_linear", _sparse_linear, mutates_args=())
@@ -76,6 +96,13 @@ def _backward(ctx, grad):
 
 
 sparse_linear.register_autograd(_backward, setup_context=_setup)
+
+_LIB = torch.library.Library("nmsparse", "FRAGMENT")  # autocast kernels, as for nmsparse::linear
+for _device in ("cpu", "cuda"):  # values (argument 2) keeps its dtype: cuSPARSELt's buffer holds metadata bits too
+    _LIB.impl(
+        sparse_linear._name, autocast_kernel(sparse_linear, _device, keep=(2,)),
+        "Autocast" + torch._C._dispatch_key_for_device(_device), with_keyset=True,
+    )
 
 
 def compress(weight: Tensor, kernel: str) -> tuple[Tensor, Tensor]:

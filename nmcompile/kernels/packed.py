@@ -94,12 +94,14 @@ def row_meta(meta: torch.Tensor, what: str = "nmcompile row_meta") -> torch.Tens
     return meta.reshape(-1).gather(0, _meta_offsets(meta, what)).view(meta.shape)
 
 
-def _check_24(weight: torch.Tensor, what: str) -> None:
+def _check_24(weight: torch.Tensor, what: str, values: bool = True) -> None:
     if weight.dim() < 1 or weight.shape[-1] % (4 * GROUPS_PER_WORD):
         raise ValueError(
             f"{what}: the last dim ({tuple(weight.shape)}) must be a multiple of 16 (four 2:4 groups per "
             "metadata word); pad the layer's input features"
         )
+    if not values:
+        return
     bad, total = masks.count_violations(weight, 2, 4, -1)
     if bad:
         raise ValueError(
@@ -115,9 +117,13 @@ def _kept_positions(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order.min(-1).values, order.max(-1).values
 
 
-def pack(weight: torch.Tensor) -> Packed24:
-    """Pack a 2:4 weight (groups along the last dim) into values + metadata. Exact: see :func:`unpack`."""
-    _check_24(weight, "nmcompile.pack")
+def pack(weight: torch.Tensor, check: bool = True) -> Packed24:
+    """Pack a 2:4 weight (groups along the last dim) into values + metadata. Exact: see :func:`unpack`.
+
+    ``check=False`` skips the count of groups with more than two non-zeros (a device-to-host sync):
+    for the training kernels, whose operands are 2:4 by construction and which pack at every call.
+    A group with more non-zeros then keeps its first two, silently; the shape is always checked."""
+    _check_24(weight, "nmcompile.pack", values=check)
     groups = weight.unflatten(-1, (-1, 4))
     first, second = _kept_positions(groups)
     values = torch.stack([groups.gather(-1, first[..., None])[..., 0], groups.gather(-1, second[..., None])[..., 0]], -1)

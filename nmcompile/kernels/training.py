@@ -49,7 +49,7 @@ from .. import masks
 from ..ops import E4M3, E5M2, autocast_kernel, mvue_along, fake_fp8
 from .packed import CUTLASS_COLS, CUTLASS_ROWS, Packed24, cutlass_meta, pack, row_meta, unpack
 
-__all__ = ["sparse24_mm", "sparse_train_linear", "KERNELS", "ALIGNMENT", "misaligned"]
+__all__ = ["sparse24_mm", "sparse_train_linear", "KERNELS", "ALIGNMENT", "misaligned", "strided"]
 
 KERNELS = ("reference", "cusparselt", "cutlass")
 #: per kernel, the multiples each dim must be: (rows of the 2:4 operand, its reduction dim, the
@@ -94,8 +94,9 @@ def _dense_mm(a: Tensor, b: Tensor, bias: Optional[Tensor], transpose_result: bo
     return torch.addmm(bias[:, None], a, b) if bias is not None else a @ b
 
 
-def _strided(b: Tensor) -> Tensor:
-    """``b`` row- or column-major, as the 2:4 kernels read it."""
+def strided(b: Tensor) -> Tensor:
+    """``b`` row- or column-major, as the 2:4 kernels read it (cuSPARSELt takes any non-contiguous
+    operand for column-major without reading its strides)."""
     return b if b.is_contiguous() or b.t().is_contiguous() else b.contiguous()
 
 
@@ -111,13 +112,15 @@ def _sparse24_mm(
         out = _dense_mm(_densify(a, what), b, bias, transpose_result)
     elif kernel == "cusparselt":
         out = torch._cslt_sparse_mm(
-            torch._cslt_compress(a.contiguous()), _strided(b), bias=bias, transpose_result=transpose_result
+            torch._cslt_compress(a.contiguous()), strided(b), bias=bias, transpose_result=transpose_result
         )
         if transpose_result and out.shape[0] != b.shape[1]:  # builds without the fused transpose
             out = out.t()
     else:
-        values, meta = pack(a.contiguous()).cutlass()
-        b = _strided(b)
+        # unchecked: a checked pack reads a count back to the host (one sync per GEMM); the operand is 2:4
+        # by the recipe's construction, which the reference kernel checks on any device
+        values, meta = pack(a.contiguous(), check=False).cutlass()
+        b = strided(b)
         if bias is None:
             out = torch._sparse_semi_structured_mm(values, meta, b)
         else:

@@ -104,12 +104,14 @@ def _decide(ctx: PassContext, target, gemms, timed: dict) -> TrainKernels:
     needs_dgrad = any(getattr(_value(o["x"]), "requires_grad", False) for _, o in gemms)
     not_24 = _not_24(target.recipe, target.frame, needs_dgrad)
     shapes = {"forward": (out_f, in_f, t), "dgrad": (in_f, out_f, t), "wgrad": (out_f, t, in_f)}
+    # the weight's GPU, not the current one (None: the current device's, as the rules read it)
+    capability = torch.cuda.get_device_capability(value.device) if value.device.type == "cuda" else None
     decisions = {}
     for role in ROLES:
         rows, cols, n = shapes[role]
         decision = decide(
             ctx.train_kernel, role, layer=target.fqn, not_24=not_24[role], rows=rows, cols=cols, n=n,
-            dtype=dtype, device_type=value.device.type,
+            dtype=dtype, device_type=value.device.type, capability=capability,
         )
         if ctx.train_kernel == "auto" and decision.kernel in ("cusparselt", "cutlass"):
             permuted = role == "dgrad" and target.recipe.dgrad_order(*ctx.state_nodes[target.fqn]) is not None

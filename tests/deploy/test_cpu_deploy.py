@@ -64,6 +64,20 @@ def test_forced_cpu24_rewrites_every_linear_and_keeps_the_function(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
+def test_autocast_casts_the_kernel_s_operands_as_f_linear_does(model_dtype):
+    # without an autocast kernel: "input dtype Float differs from the weight's BFloat16" when compiled
+    model = finalized(model_dtype)
+    x = torch.randn(6, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, calls = rewritten_calls(model, x, deploy_kernel="cpu24")
+        with torch.no_grad():
+            expected = model(x)
+    assert len(calls) == 2 and out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
 def test_inductor_calls_the_kernel_as_an_extern_op():
     model = finalized()
     compiled = torch.compile(model, backend="nmsparse", options={"deploy_kernel": "cpu24"})

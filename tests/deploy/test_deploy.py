@@ -124,9 +124,10 @@ def test_eval_mode_with_gradients_still_differentiates():
         (torch.ones(32, 32), {}, "dense", "not 2:4"),
         ("24", {"device_type": "mps"}, "dense", "no 2:4 kernel on mps"),
         ("24", {"device_type": "cuda", "cusparselt_available": False}, "dense", "no cuSPARSELt"),
-        ("24", {"device_type": "cuda", "cusparselt_available": True}, "dense", "cast the model to fp16 or bf16"),
-        ("24h", {"device_type": "cuda", "cusparselt_available": True}, "cusparselt", "qualifies"),
-        ("24h-odd", {"device_type": "cuda", "cusparselt_available": True}, "dense", "not a multiple of 16"),
+        ("24", {"device_type": "cuda", "cusparselt_available": True, "capability": (9, 0)}, "dense", "cast the model to fp16 or bf16"),
+        ("24h", {"device_type": "cuda", "cusparselt_available": True, "capability": (9, 0)}, "cusparselt", "qualifies"),
+        ("24h", {"device_type": "cuda", "cusparselt_available": True, "capability": (7, 5)}, "dense", "this GPU is sm75"),
+        ("24h-odd", {"device_type": "cuda", "cusparselt_available": True, "capability": (9, 0)}, "dense", "not a multiple of 16"),
     ],
 )
 def test_qualify_rules(weight, kw, kernel, reason):

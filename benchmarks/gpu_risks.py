@@ -1,0 +1,242 @@
+"""The questions about nmcompile's GPU path that only a GPU can answer, one check each (gpu_check.py, part 2).
+
+The CPU stand-in for the CUDA ops (tests/_gpu_contracts.py) proves that nmcompile's calls are ones
+the ops accept and read as meant; these checks ask the GPU itself:
+
+- ``alg_id``: one algorithm id, searched at 4096 tokens, reused at 8, 16, 64 and 200 tokens (the
+  deploy op passes one id per layer to every call; cuSPARSELt's algorithm configs are per plan);
+- ``sm90_shapes``: structured dims of 16, 48, 80 and dense dims of 8, 24, unpadded, through
+  ``_cslt_compress`` and ``_cslt_sparse_mm`` (nmcompile allows multiples of 16 and 8, as PyTorch does);
+- ``cuda_graph``: the deploy op and the compressing training GEMM captured in a CUDA graph and
+  replayed (what ``mode="reduce-overhead"`` does; cuSPARSELt makes a plan and a workspace per call);
+- ``step_gate``: STEP's gate is a 0-d tensor branched on in the training op (a host sync per layer
+  per forward): the syncs one compiled step makes, and whether ``mode="reduce-overhead"`` trains;
+- ``silent_pruning``: one training step of each recipe with cuSPARSELt against the reference kernel
+  (which refuses an operand that is not 2:4, where cuSPARSELt would prune it silently);
+- ``post_grad_passes``: a user's own post-grad pass next to nmcompile's cache-key pass, which
+  makes ``post_grad_custom_post_pass`` a list (accepted by torch 2.13; the GPU machines run 2.11).
+
+Each check returns rows ``{"check", "case", "status", "detail"}``; status is ``ok``, ``failed`` (with
+the error or the mismatch) or ``skipped`` (with why). On a CPU every check that needs CUDA says so;
+the others run there under the stand-in (tests/kernels/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nmcompile
+
+STEP_RECIPE = "step:2:4,total_steps=4,t_max=0.5"
+RECIPES = ("ste:2:4,wgrad=mvue24", "sr_ste:2:4", "s_ste:2:4,wgrad=mvue24", STEP_RECIPE, "mdgf:2:4",
+           "sdgf:2:4,total_steps=4", "bi_mask:2:4,every=2,candidates=4", "transposable:2:4,wgrad=mvue24", "asp:2:4")
+
+
+def row(check: str, case: str, status: str, detail: str = "") -> dict:
+    return {"check": check, "case": case, "status": status, "detail": detail}
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+
+
+def _compare(out: torch.Tensor, expected: torch.Tensor, tol: float = 0.05) -> tuple[str, str]:
+    err = (out.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item() + 1e-6
+    return ("ok" if err <= tol * scale else "failed"), f"max error {err:.3g} (output scale {scale:.3g})"
+
+
+def _pruned(rows: int, cols: int, device, dtype=torch.bfloat16) -> torch.Tensor:
+    return nmcompile.masks.prune(torch.randn(rows, cols, device=device), 2, 4, 1).to(dtype)
+
+
+def alg_id(device) -> list[dict]:
+    from nmcompile.kernels.inductor import compress, sparse_linear
+
+    w = _pruned(1024, 1024, device)
+    values, meta = compress(w, "cusparselt")
+    try:
+        found = int(torch._cslt_sparse_mm_search(values, torch.randn(4096, 1024, device=device, dtype=w.dtype).t(),
+                                                  transpose_result=True))
+    except Exception as exc:
+        return [row("alg_id", "search at 4096 tokens", "failed", _error(exc))]
+    rows = [row("alg_id", "search at 4096 tokens", "ok", f"alg_id {found}")]
+    for tokens in (8, 16, 64, 200):
+        x = torch.randn(tokens, 1024, device=device, dtype=w.dtype)
+        try:
+            out = sparse_linear(x, w, values, meta, None, "cusparselt", found, 0)
+            rows.append(row("alg_id", f"alg_id {found} at {tokens} tokens", *_compare(out, F.linear(x, w))))
+        except Exception as exc:
+            rows.append(row("alg_id", f"alg_id {found} at {tokens} tokens", "failed", _error(exc)))
+    return rows
+
+
+def sm90_shapes(device) -> list[dict]:
+    rows = []
+    for m in (16, 48, 80):
+        for k in (16, 48, 80):
+            a = _pruned(m, k, device)
+            for n in (8, 24):
+                b = torch.randn(k, n, device=device, dtype=a.dtype)
+                case = f"[{m}, {k}] x [{k}, {n}]"
+                try:
+                    out = torch._cslt_sparse_mm(torch._cslt_compress(a), b)
+                    rows.append(row("sm90_shapes", case, *_compare(out, a.float() @ b.float())))
+                except Exception as exc:
+                    rows.append(row("sm90_shapes", case, "failed", _error(exc)))
+    return rows
+
+
+def cuda_graph(device) -> list[dict]:
+    if torch.device(device).type != "cuda":
+        return [row("cuda_graph", "capture", "skipped", "needs CUDA")]
+    from nmcompile.kernels.inductor import compress, sparse_linear
+    from nmcompile.kernels.training import sparse24_mm
+
+    w = _pruned(1024, 1024, device)
+    values, meta = compress(w, "cusparselt")
+    x = torch.randn(256, 1024, device=device, dtype=w.dtype)
+    cases = {
+        "deploy sparse_linear": lambda: sparse_linear(x, w, values, meta, None, "cusparselt", 0, 0),
+        "training sparse24_mm (compress + mm)": lambda: sparse24_mm(w, x.t(), None, "cusparselt", True, "graph"),
+    }
+    rows = []
+    for case, fn in cases.items():
+        try:
+            expected = fn()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()  # warm-up on the side stream, as CUDA-graph trees do
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            rows.append(row("cuda_graph", case, *_compare(out, expected)))
+        except Exception as exc:
+            rows.append(row("cuda_graph", case, "failed", _error(exc)))
+    return rows
+
+
+def _mlp(device, dtype=torch.bfloat16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).to(device, dtype)
+
+
+def _step(model, compiled, x) -> torch.Tensor:
+    out = compiled(x)
+    out.float().pow(2).mean().backward()
+    return out.detach()
+
+
+def step_gate(device) -> list[dict]:
+    if torch.device(device).type != "cuda":
+        return [row("step_gate", "syncs and reduce-overhead", "skipped", "needs CUDA")]
+    rows = []
+    x = torch.randn(8, 64, 256, device=device, dtype=torch.bfloat16)
+    model = _mlp(device)
+    nmcompile.annotate(model, STEP_RECIPE)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="nmsparse", options={"train_kernel": "cusparselt", "inner": "aot_eager"})
+    _step(model, compiled, x)  # compiles
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(model, compiled, x)
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        rows.append(row("step_gate", "host syncs in one compiled step (2 layers)", "ok", f"{syncs} sync warnings"))
+    except Exception as exc:
+        rows.append(row("step_gate", "host syncs in one compiled step (2 layers)", "failed", _error(exc)))
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    model = _mlp(device)
+    nmcompile.annotate(model, STEP_RECIPE)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="nmsparse", mode="reduce-overhead", options={"train_kernel": "cusparselt"})
+        for _ in range(4):  # the gate switches within these steps
+            out = _step(model, compiled, x)
+            for p in model.parameters():
+                p.grad = None
+        ok = bool(torch.isfinite(out.float()).all())
+        rows.append(row("step_gate", "STEP under mode='reduce-overhead'", "ok" if ok else "failed", "4 steps"))
+    except Exception as exc:
+        rows.append(row("step_gate", "STEP under mode='reduce-overhead'", "failed", _error(exc)))
+    return rows
+
+
+def silent_pruning(device, recipes=RECIPES, kernel: str = "cusparselt") -> list[dict]:
+    rows = []
+    x = torch.randn(4, 64, 256, device=device, dtype=torch.bfloat16)
+    for recipe in recipes:
+        results = {}
+        try:
+            for k in (kernel, "reference"):
+                torch._dynamo.reset()
+                model = _mlp(device)
+                nmcompile.annotate(model, recipe)
+                compiled = torch.compile(model, backend="nmsparse", options={"train_kernel": k, "inner": "aot_eager"})
+                torch.manual_seed(1)
+                out = _step(model, compiled, x)
+                results[k] = (out, torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+        except Exception as exc:
+            rows.append(row("silent_pruning", recipe, "failed", _error(exc)))
+            continue
+        (out, grads), (ref_out, ref_grads) = results[kernel], results["reference"]
+        status, detail = _compare(out, ref_out)
+        drift = ((grads - ref_grads).norm() / (ref_grads.norm() + 1e-6)).item()
+        if drift > 0.05:
+            status = "failed"
+        rows.append(row("silent_pruning", recipe, status, f"output {detail}; gradient relative difference {drift:.3g}"))
+    return rows
+
+
+def post_grad_passes(device) -> list[dict]:
+    from nmcompile.kernels.inductor import CacheKeyPass
+
+    class Counting(CacheKeyPass):  # the user's pass: counts its calls
+        calls = 0
+
+        def __call__(self, graph) -> None:
+            type(self).calls += 1
+
+    model = _mlp(device)
+    nmcompile.annotate(model, "ste:2:4")
+    torch._dynamo.reset()
+    case = f"user pass and nmcompile's, torch {torch.__version__}"
+    try:
+        compiled = torch.compile(model, backend="nmsparse",
+                                 options={"post_grad_custom_post_pass": Counting("user"), "train_kernel": "dense"})
+        _step(model, compiled, torch.randn(4, 8, 256, device=device, dtype=torch.bfloat16))
+    except Exception as exc:
+        return [row("post_grad_passes", case, "failed", _error(exc))]
+    status = "ok" if Counting.calls > 0 else "failed"
+    return [row("post_grad_passes", case, status, f"the user's pass ran {Counting.calls} times")]
+
+
+CHECKS = {"alg_id": alg_id, "sm90_shapes": sm90_shapes, "cuda_graph": cuda_graph, "step_gate": step_gate,
+          "silent_pruning": silent_pruning, "post_grad_passes": post_grad_passes}
+
+
+def run_checks(device, left=lambda: float("inf"), needs: float = 20.0) -> list[dict]:
+    """Every check in :data:`CHECKS`, in order, while ``left()`` seconds remain (``needs`` per check);
+    an exception is a failed row, and the next check runs."""
+    rows = []
+    for name, check in CHECKS.items():
+        if left() < needs:
+            rows.append(row(name, "all", "skipped", "time budget"))
+            continue
+        try:
+            rows.extend(check(device))
+        except Exception as exc:
+            rows.append(row(name, "all", "failed", _error(exc)))
+    return rows
