@@ -47,12 +47,12 @@ class Sliced(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.fc1, self.fc2, self.head = nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 32)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 32)
 
     def forward(self, h):
         x = F.relu(self.fc1(h[..., :64]))
         x = torch.cat([x, x], -1)[..., 64:192]  # a window of a wider activation
-        return self.head(F.relu(self.fc2(x)))
+        return self.fc3(F.relu(self.fc2(x)))
 
 
 def _close(out, expected, what=""):
