@@ -152,7 +152,10 @@ def _export(model, corpus, context, path):
 def format_summary(summary: dict) -> str:
     lines = [
         f"recipe {summary['recipe']}: {summary['steps']} steps in {summary['seconds']} s, "
-        f"validation loss {summary['validation_loss']:.3f} nats/char",
+        f"validation loss {summary['validation_loss']:.3f} nats/char"
+        + ("" if summary.get("dense_validation_loss") is None else
+           f" (dense on the same batches: {summary['dense_validation_loss']:.3f}; "
+           f"the recipe costs {summary['validation_loss'] - summary['dense_validation_loss']:+.3f})"),
         f"sparsified {len(summary['sparsified'])} weights: " + ", ".join(summary["sparsified"]),
         "finalized: " + ", ".join(f"{n} {p}" for n, p in summary["finalized"].items()),
         "plots: " + ", ".join(summary["plots"]),
