@@ -28,7 +28,7 @@ import torch.nn.functional as F
 __all__ = ["to_columns", "from_columns", "columns_shape", "input_rows", "accumulate", "LAYOUTS"]
 
 #: how the GEMM reads its input operand ``x`` (see :func:`input_rows`)
-LAYOUTS = ("rows", "t", "batched", "batched_t", "grouped", "gathered", "conv")
+LAYOUTS = ("rows", "t", "batched", "batched_t", "grouped", "gathered", "gathered_t", "conv")
 ALL_EXPERTS = -2  # every expert sees every row (x [T, in] @ W [E, in, out] broadcasts)
 
 
@@ -73,7 +73,8 @@ def input_rows(x: torch.Tensor, layout: str, route: torch.Tensor | None, conv: l
     Layouts: ``rows`` ``x [..., cols]``; ``t`` ``x [..., cols, T]`` (``W @ x``); ``batched``
     ``x [E, T, cols]`` (or ``[T, cols]`` broadcast to every expert); ``batched_t`` ``x [E, cols, T]``;
     ``grouped`` ``x [S, cols]`` with ``route`` the cumulative row ends per expert (``offs``);
-    ``gathered`` ``x [T, k, cols]`` with ``route`` one expert per ``T`` (``W[ids]``); ``conv``
+    ``gathered`` ``x [T, k, cols]`` with ``route`` one expert per ``T`` (``x @ W[ids]``), ``gathered_t``
+    ``x [T, cols, k]`` (``W[ids] @ x``); ``conv``
     ``x [B, C, *spatial]`` with ``conv`` = kernel sizes, strides, paddings, dilations.
     """
     if layout == "rows":
@@ -92,7 +93,9 @@ def input_rows(x: torch.Tensor, layout: str, route: torch.Tensor | None, conv: l
         ends = route.to(torch.int64)
         who = torch.bucketize(torch.arange(x.shape[0], device=x.device), ends, right=True)
         return x, torch.where(who < ends.numel(), who, -1)
-    if layout == "gathered":
+    if layout in ("gathered", "gathered_t"):
+        if layout == "gathered_t":
+            x = x.transpose(-2, -1)
         k = x.shape[1] if x.dim() == 3 else 1
         return x.reshape(-1, x.shape[-1]), route.to(torch.int64).repeat_interleave(k)
     if layout == "conv":

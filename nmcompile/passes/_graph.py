@@ -392,9 +392,7 @@ def _stacked_routes(user: fx.Node, operand: fx.Node, expert: int | None, ids) ->
         if expert is not None:
             return [_route(user, x, "rows" if right else "t", expert=expert)]
         if ids is not None:
-            if not right:
-                return f"W[ids] on the left of {user.format_node()}, which nmcompile does not calibrate"
-            return [_route(user, x, "gathered", route=ids)]
+            return [_route(user, x, "gathered" if right else "gathered_t", route=ids)]
         return [_route(user, x, "batched" if right else "batched_t")]
     if _is_gemm_like(user):
         return f"its input in {user.format_node()} is not one nmcompile reads for calibration"

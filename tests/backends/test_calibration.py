@@ -259,3 +259,31 @@ def test_each_expert_counts_only_the_tokens_routed_to_it(form):
         want = ref.sparsegpt(we, torch.cat([rows[e]] * 2), 2, 4)[0] if e in rows else nmcompile.masks.prune(we, 2, 4, 1)
         torch.testing.assert_close(solved[e], want.to(dtype).float(), rtol=2e-2, atol=2e-2)
     assert nmcompile.check(model).ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_tiny_mixtral_experts_count_the_tokens_their_router_sends(implementation):
+    from test_moe import EXPERT_WEIGHTS, tiny_mixtral
+
+    model = tiny_mixtral(implementation).eval()
+    nmcompile.annotate(model, "sparsegpt:2:4,blocksize=16")
+    experts = model.model.layers[0].mlp.experts
+    seen = {}
+    handle = experts.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], ids=args[1]))
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        model(ids)  # eager, for the reference routing (the statistics gather only in the graph)
+    handle.remove()
+    assert int(experts.gate_up_proj_nm_count.sum()) == 0
+    compiled = compile_quietly(model, {**AOT})
+    run(compiled, [ids])
+    routed = torch.bincount(seen["ids"].flatten(), minlength=E)
+    assert experts.gate_up_proj_nm_count.tolist() == routed.tolist()
+    assert experts.down_proj_nm_count.tolist() == routed.tolist()
+    for e in range(E):
+        x = seen["x"][(seen["ids"] == e).any(-1)]
+        torch.testing.assert_close(experts.gate_up_proj_nm_xtx[e], x.T @ x, rtol=1e-5, atol=1e-4)
+    report = nmcompile.finalize(model)
+    assert all(name in report for name in EXPERT_WEIGHTS)
+    assert nmcompile.check(model).ok
