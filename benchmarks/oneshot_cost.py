@@ -48,6 +48,8 @@ def _char_model(args):
         step = torch.compile(lambda x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
         for i in range(args.steps):
             x, y = corpus.batch("train", 32, args.context, g)
+            if i % 100 == 0:
+                print(f"training the character GPT: step {i}/{args.steps}", file=sys.stderr, flush=True)
             loss = step(x, y)
             opt.zero_grad()
             loss.backward()
@@ -130,16 +132,16 @@ def main() -> None:
     parser.add_argument("--configs", default="dense,magnitude,wanda:2:4/one-pass,wanda:2:4/sequential,"
                         "sparsegpt:2:4/one-pass,sparsegpt:2:4/sequential")
     parser.add_argument("--layers", type=int, default=None, help="blocks (char default 4, gpt2m default 24)")
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=1500, help="char GPT training steps (cached)")
-    parser.add_argument("--context", type=int, default=None, help="tokens per sequence (char 128, gpt2m 128)")
+    parser.add_argument("--width", type=int, default=128, help="char GPT width (default 128)")
+    parser.add_argument("--steps", type=int, default=600, help="char GPT training steps (cached)")
+    parser.add_argument("--context", type=int, default=None, help="tokens per sequence (char 64, gpt2m 128)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", default=os.path.join("/tmp", "nmcompile-oneshot-cache"))
     args = parser.parse_args()
     args.layers = args.layers or (4 if args.model == "char" else 24)
-    args.context = args.context or 128
+    args.context = args.context or (64 if args.model == "char" else 128)
     if args.config:
         print(json.dumps(one(args)))
         return

@@ -118,8 +118,11 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
                 include=None, exclude=("*lm_head*",), tokenizer: str | None = None, inner: str = "aot_eager",
                 progress: bool = True) -> PruneSummary:
     """Prune ``model_path`` in one shot with ``recipe`` (``wanda`` or ``sparsegpt``); see the module doc."""
-    import nmcompile
-    from nmcompile.recipes import parse
+    from ..declare.annotate import annotate
+    from ..deploy.finalize import finalize
+    from ..deploy.inspection import check as check_nm
+    from ..kernels.packed import pack_state_dict
+    from ..recipes import parse
 
     start = time.perf_counter()
     parsed = parse(recipe)
@@ -141,7 +144,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
         raise ValueError(f"held-out text: {len(held)} tokens make no window of --seq-len {seq_len}")
     model.eval()
     loss_before = _loss(model, evals, batch_size)
-    report = nmcompile.annotate(model, parsed, include=include, exclude=list(exclude) if exclude else None)
+    report = annotate(model, parsed, include=include, exclude=list(exclude) if exclude else None)
     if not report.annotated:
         raise ValueError(f"no weight of {model_path} takes {parsed}: {report}")
     compiled = torch.compile(model, backend="nmsparse", options={"inner": inner})
@@ -159,8 +162,8 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*recipe state for")
-        finalized = nmcompile.finalize(model, calibration=run_calibration, sequential=sequential)
-    check = nmcompile.check(model)
+        finalized = finalize(model, calibration=run_calibration, sequential=sequential)
+    check = check_nm(model)
     if not check.ok:
         raise RuntimeError(f"nmcompile prune: the pruned model is not {parsed.pattern}:\n{check}")
     loss_after = _loss(model, evals, batch_size)
@@ -175,7 +178,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
         files.append(os.path.join(out, "model.pt"))
     if (parsed.n, parsed.m) == (2, 4):
         packed = os.path.join(out, "model_packed.pt")
-        torch.save(nmcompile.deploy.pack_state_dict(model.state_dict()), packed)
+        torch.save(pack_state_dict(model.state_dict()), packed)
         files.append(packed)
     return PruneSummary(str(parsed), sorted(finalized), loss_before, loss_after, sum(len(w) for w in calib),
                         sum(len(w) for w in evals), time.perf_counter() - start, files, dict(finalized.fallbacks),

@@ -287,3 +287,18 @@ def test_tiny_mixtral_experts_count_the_tokens_their_router_sends(implementation
     report = nmcompile.finalize(model)
     assert all(name in report for name in EXPERT_WEIGHTS)
     assert nmcompile.check(model).ok
+
+
+@pytest.mark.slow
+def test_statistics_gather_under_inductor():
+    """The default inner compiler: the op's buffer mutation survives Inductor's functionalization."""
+    model = Net().eval()
+    compiled = compile_quietly(model, {"recipe": "sparsegpt:2:4"})
+    batches = [torch.randn(7, 16) for _ in range(3)]
+    run(compiled, batches)
+    x = torch.cat(batches)
+    assert int(model.fc1.weight_nm_count) == 21
+    torch.testing.assert_close(model.fc1.weight_nm_xtx, x.T @ x, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        h = F.relu(model.fc1(x))
+    torch.testing.assert_close(model.fc2.weight_nm_xtx, h.T @ h, rtol=1e-5, atol=1e-4)
