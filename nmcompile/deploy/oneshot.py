@@ -133,21 +133,35 @@ def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
     """Solve block by block, calibrating each block on the outputs of the blocks already pruned.
 
     ``calibration()`` runs the compiled model over the calibration batches; it is called once per
-    block. Solved weights are written into the model as each block is done.
+    block, with every other weight's count set to -1, which pauses its statistics (the op adds
+    nothing), so each pass computes the statistics of one block only. Solved weights are written
+    into the model as each block is done.
     """
     items = {name: (places, ann) for name, places, ann in calibrated(model)}
+    counts = {name: state_of(places[0][1], places[0][2], ann)[1] for name, (places, ann) in items.items()}
     solved: dict[str, Solved] = {}
-    for block in blocks(list(items)):
-        reset(model, [name for name in items if name not in solved])
-        calibration()
-        if not solved and all(int(state_of(*items[n][0][0][1:], items[n][1])[1].sum()) == 0 for n in items):
-            recipe = next(iter(items.values()))[1].recipe
-            raise NoCalibration(f"nmcompile.finalize: calibration() ran, but no token reached the weights declared "
-                                f"with {recipe}; {_hint(recipe)}")
-        with torch.no_grad():
-            for name in block:
-                places, ann = items[name]
-                solved[name] = solve_one(name, places[0][1], places[0][2], ann)
-                for _, module, pname in places:
-                    module._parameters[pname].copy_(solved[name].weight)
+    kept: dict[str, torch.Tensor] = {}
+    try:
+        for block in blocks(list(items)):
+            reset(model, block)
+            with torch.no_grad():
+                for name in items:
+                    if name not in block:
+                        counts[name].fill_(-1)  # paused: only this block gathers in this pass
+            calibration()
+            if all(int(counts[name].sum()) == 0 for name in block) and not solved:
+                recipe = items[block[0]][1].recipe
+                raise NoCalibration(f"nmcompile.finalize: calibration() ran, but no token reached the weights "
+                                    f"declared with {recipe}; {_hint(recipe)}")
+            with torch.no_grad():
+                for name in block:
+                    places, ann = items[name]
+                    solved[name] = solve_one(name, places[0][1], places[0][2], ann)
+                    kept[name] = counts[name].clone()
+                    for _, module, pname in places:
+                        module._parameters[pname].copy_(solved[name].weight)
+    finally:
+        with torch.no_grad():  # no count stays paused (negative), whatever happened
+            for name, count in counts.items():
+                count.copy_(kept[name]) if name in kept else count.clamp_(min=0)
     return solved

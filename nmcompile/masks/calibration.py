@@ -119,7 +119,11 @@ def _patches(x: torch.Tensor, conv: list[int]) -> torch.Tensor:
 
 def accumulate(stat: torch.Tensor, count: torch.Tensor, x: torch.Tensor, who, expert: int, gram: bool) -> None:
     """Add the rows ``x`` to ``stat`` (``X^T X`` if ``gram``, else the per-column sum of squares) and
-    their number to ``count``, in float32 (``stat``'s dtype), per expert (see :func:`input_rows`)."""
+    their number to ``count``, in float32 (``stat``'s dtype), per expert (see :func:`input_rows`).
+    A negative ``count`` pauses the weight: nothing is added (see
+    :func:`nmcompile.deploy.oneshot.solve_sequential`)."""
+    if bool((count < 0).any()):
+        return  # paused (sequential calibration gathers one block at a time)
     x = x.to(stat.dtype)
     if who is None:
         target, counter = (stat, count) if expert < 0 else (stat[expert], count[expert])

@@ -157,13 +157,14 @@ def test_sequential_calibrates_each_block_on_the_pruned_blocks_before_it(recipe)
     calls = []
 
     def calibration():
-        calls.append(1)
         with torch.no_grad():
             for x in batches:
                 compiled(x)
+        calls.append([int(layer.weight_nm_count) for layer in model.layers])
 
     report = nmcompile.finalize(model, calibration=calibration, sequential=True)
-    assert len(calls) == 3 and not report.fallbacks
+    # each pass gathers one block's statistics; the others are paused (count -1)
+    assert calls == [[60, -1, -1], [-1, 60, -1], [-1, -1, 60]] and not report.fallbacks
     # the reference: layer k solved on the outputs of layers 0..k-1 already pruned
     x = torch.cat(batches)
     for k, layer in enumerate(model.layers):
@@ -183,6 +184,18 @@ def test_sequential_calibrates_each_block_on_the_pruned_blocks_before_it(recipe)
     nmcompile.finalize(one_pass, calibration=lambda: [compiled(x) for x in batches])
     assert torch.equal(one_pass.layers[0].weight, model.layers[0].weight)
     assert not torch.allclose(one_pass.layers[2].weight, model.layers[2].weight)
+
+
+def test_a_failing_sequential_calibration_leaves_no_count_paused():
+    model = Stack().eval()
+    nmcompile.annotate(model, "wanda:2:4")
+
+    def calibration():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        nmcompile.finalize(model, calibration=calibration, sequential=True)
+    assert [int(layer.weight_nm_count) for layer in model.layers] == [0, 0, 0]
 
 
 def test_a_one_shot_model_fine_tunes_with_asp_keeping_its_zeros():
