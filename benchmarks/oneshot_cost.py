@@ -37,7 +37,7 @@ def _char_model(args):
     from nmcompile.app.datasets import CharCorpus, shakespeare
 
     corpus = CharCorpus(shakespeare())
-    path = os.path.join(args.cache, f"char_w{args.width}_l{args.layers}_s{args.steps}.pt")
+    path = os.path.join(args.cache, f"char_w{args.width}_l{args.layers}_s{args.steps}_b{args.train_batch}_c{args.context}.pt")
     torch.manual_seed(0)
     model = CharGPT(GPTConfig(vocab=corpus.vocab, context=args.context, width=args.width, layers=args.layers, heads=4))
     if os.path.exists(path):
@@ -47,7 +47,7 @@ def _char_model(args):
         g = torch.Generator().manual_seed(0)
         step = torch.compile(lambda x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
         for i in range(args.steps):
-            x, y = corpus.batch("train", 32, args.context, g)
+            x, y = corpus.batch("train", args.train_batch, args.context, g)
             if i % 100 == 0:
                 print(f"training the character GPT: step {i}/{args.steps}", file=sys.stderr, flush=True)
             loss = step(x, y)
@@ -133,7 +133,8 @@ def main() -> None:
                         "sparsegpt:2:4/one-pass,sparsegpt:2:4/sequential")
     parser.add_argument("--layers", type=int, default=None, help="blocks (char default 4, gpt2m default 24)")
     parser.add_argument("--width", type=int, default=128, help="char GPT width (default 128)")
-    parser.add_argument("--steps", type=int, default=600, help="char GPT training steps (cached)")
+    parser.add_argument("--steps", type=int, default=400, help="char GPT training steps (cached)")
+    parser.add_argument("--train-batch", type=int, default=16, help="char GPT training batch (default 16)")
     parser.add_argument("--context", type=int, default=None, help="tokens per sequence (char 64, gpt2m 128)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=16)
@@ -148,7 +149,7 @@ def main() -> None:
     rows = []
     for config in args.configs.split(","):
         cmd = [sys.executable, __file__, args.model, "--config", config, "--layers", str(args.layers), "--width",
-               str(args.width), "--steps", str(args.steps), "--context", str(args.context), "--batch", str(args.batch),
+               str(args.width), "--steps", str(args.steps), "--train-batch", str(args.train_batch), "--context", str(args.context), "--batch", str(args.batch),
                "--batches", str(args.batches), "--threads", str(args.threads), "--cache", args.cache]
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
         if done.returncode:

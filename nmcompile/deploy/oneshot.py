@@ -16,6 +16,9 @@ What is not normal calibration is named, never left silent:
   named in ``Solved.notes``;
 - SparseGPT with fewer tokens than input columns: solved with its dampening, named;
 - a Hessian that cannot be factored: pruned by Wanda's score from its diagonal, named.
+
+In a process group every rank calls finalize: the statistics are summed over the ranks first, so
+each rank may calibrate on its own share of the batches and all get the same weights.
 """
 
 from __future__ import annotations
@@ -100,8 +103,25 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
     return Solved(from_columns(out, param.shape, dim).to(param.dtype).contiguous(), notes)
 
 
+def _sum_over_ranks(model: nn.Module, names=None) -> None:
+    """Sum the statistics over the process group: each rank calibrated on its own batches.
+
+    Every rank must call finalize (a collective). DDP's ``broadcast_buffers`` would overwrite the
+    other ranks' statistics at each forward: calibrate the compiled module itself on each rank.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_world_size() == 1:
+        return
+    for name, places, ann in calibrated(model):
+        if names is None or name in names:
+            for tensor in state_of(places[0][1], places[0][2], ann):
+                torch.distributed.all_reduce(tensor)
+
+
 def solve(model: nn.Module) -> dict[str, Solved]:
     """Every calibrated weight solved from its statistics (the model is not changed)."""
+    _sum_over_ranks(model)
     items = calibrated(model)
     if items and all(int(state_of(*p[0][1:], ann)[1].sum()) == 0 for _, p, ann in items):
         raise NoCalibration(
@@ -149,6 +169,7 @@ def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
                     if name not in block:
                         counts[name].fill_(-1)  # paused: only this block gathers in this pass
             calibration()
+            _sum_over_ranks(model, block)
             if all(int(counts[name].sum()) == 0 for name in block) and not solved:
                 recipe = items[block[0]][1].recipe
                 raise NoCalibration(f"nmcompile.finalize: calibration() ran, but no token reached the weights "

@@ -215,3 +215,32 @@ def test_a_one_shot_model_fine_tunes_with_asp_keeping_its_zeros():
     for name, was_zero in zeros.items():
         assert bool((effective[name][was_zero] == 0).all()), name
     assert set(nmcompile.finalize(model)) == set(zeros)
+
+
+def _calibrate_on_rank(rank, directory):
+    import os
+
+    torch.manual_seed(0)
+    model = Net().eval()  # the same weights on every rank
+    nmcompile.annotate(model, "sparsegpt:2:4,blocksize=8")
+    compiled = torch.compile(model, backend="nmsparse", options=AOT)
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(100 + rank))  # each rank its own share
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nmcompile.finalize(model, calibration=lambda: compiled(x))
+    torch.save({k: v.detach() for k, v in model.named_parameters()}, os.path.join(directory, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_ranks_sum_their_statistics_and_get_the_same_weights(tmp_path):
+    from _distributed import WORLD, run_ranks
+
+    run_ranks(_calibrate_on_rank, str(tmp_path))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    torch.manual_seed(0)
+    dense = Net()
+    x = torch.cat([torch.randn(40, 16, generator=torch.Generator().manual_seed(100 + r)) for r in range(WORLD)])
+    want = ref.sparsegpt(dense.fc1.weight.detach(), x, 2, 4)[0]
+    for r in range(WORLD):
+        torch.testing.assert_close(got[r]["fc1.weight"], want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got[r]["head.weight"], got[0]["head.weight"])
