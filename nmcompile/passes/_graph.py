@@ -401,6 +401,8 @@ def _stacked_routes(user: fx.Node, operand: fx.Node, expert: int | None, ids) ->
     target, args = user.target, user.args
     name = target if user.op == "call_method" else _name(target)
     if name == "select":
+        if not isinstance(args[2], int):
+            return f"an expert index nmcompile does not read ({user.format_node()})"
         expert = args[2]
     elif user.op == "call_function" and target is operator.getitem:
         index = args[1][0] if isinstance(args[1], tuple) and len(args[1]) == 1 else args[1]
