@@ -61,29 +61,29 @@ def sparsegpt(w: torch.Tensor, xtx: torch.Tensor, tokens: int, n: int, m: int, *
     Raises :class:`SingularHessian` when the damped Hessian cannot be factored.
     """
     original = w.float()
-    w = original.clone()
     upper, dead = inverse_hessian_factor(xtx, tokens, percdamp)
-    w[:, dead] = 0
-    rows, cols = w.shape
-    pruned = torch.zeros_like(w, dtype=torch.bool)
+    # columns as rows (contiguous): the column sweep reads and updates whole rows of wt
+    wt = original.t().contiguous()
+    wt[dead] = 0
+    cols, rows = wt.shape
+    pruned = torch.zeros_like(wt, dtype=torch.bool)
+    diag = torch.diagonal(upper)
     for start in range(0, cols, blocksize):
         end = min(start + blocksize, cols)
-        block = w[:, start:end].clone()
+        block = wt[start:end]  # a view: updated in place
         u = upper[start:end, start:end]
-        err = torch.zeros_like(block)
+        err = torch.empty_like(block)
         for i in range(end - start):
             if i % m == 0:
-                score = block[:, i:i + m].square() / torch.diagonal(u)[i:i + m].square()
-                drop = torch.topk(score, m - n, dim=1, largest=False).indices + (start + i)
-                pruned.scatter_(1, drop, True)
-            col = block[:, i]
-            kept = torch.where(pruned[:, start + i], 0.0, col)
-            e = (col - kept) / u[i, i]
-            block[:, i:] -= e.unsqueeze(1) * u[i, i:].unsqueeze(0)
-            block[:, i] = kept
-            err[:, i] = e
-        w[:, start:end] = block
-        w[:, end:] -= err @ upper[start:end, end:]
+                score = block[i:i + m].square() / diag[start + i:start + i + m].square().unsqueeze(1)
+                drop = torch.topk(score, m - n, dim=0, largest=False).indices + i
+                pruned[start:end].scatter_(0, drop, True)
+            col = block[i]
+            e = col * pruned[start + i] / u[i, i]  # the error of zeroing the pruned entries
+            block[i:].addr_(u[i, i:], e, alpha=-1.0)
+            block[i].masked_fill_(pruned[start + i], 0.0)
+            err[i] = e
+        wt[end:].addmm_(upper[start:end, end:].t(), err, alpha=-1.0)
     if not update:
-        return original.masked_fill(pruned, 0.0)
-    return w.masked_fill(pruned, 0.0)
+        return original.masked_fill(pruned.t(), 0.0)
+    return wt.masked_fill_(pruned, 0.0).t().contiguous()
