@@ -302,3 +302,23 @@ def test_statistics_gather_under_inductor():
     with torch.no_grad():
         h = F.relu(model.fc1(x))
     torch.testing.assert_close(model.fc2.weight_nm_xtx, h.T @ h, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout, x, stat, count, route, gram", [
+    ("rows", torch.randn(2, 3, 8), torch.zeros(8, 8), torch.zeros((), dtype=torch.int64), None, True),
+    ("rows", torch.randn(5, 8), torch.zeros(8), torch.zeros((), dtype=torch.int64), None, False),
+    ("grouped", torch.randn(8, 8), torch.zeros(E, 8, 8), torch.zeros(E, dtype=torch.int64), torch.tensor([2, 5, 5, 8]),
+     True),
+])
+def test_accumulate_stats_passes_opcheck(layout, x, stat, count, route, gram):
+    from nmcompile import ops
+
+    torch.library.opcheck(ops.accumulate_stats, (x, stat.clone(), count.clone(), route, layout, -1, [], gram))
+    ops.accumulate_stats(x, stat, count, route, layout, -1, [], gram)
+    rows = x.reshape(-1, 8)
+    if layout == "rows":
+        assert int(count) == rows.shape[0]
+        torch.testing.assert_close(stat, rows.T @ rows if gram else rows.square().sum(0))
+    else:
+        assert count.tolist() == [2, 3, 0, 3]
+        torch.testing.assert_close(stat[1], rows[2:5].T @ rows[2:5])
