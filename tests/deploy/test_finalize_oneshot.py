@@ -244,3 +244,20 @@ def test_ranks_sum_their_statistics_and_get_the_same_weights(tmp_path):
     for r in range(WORLD):
         torch.testing.assert_close(got[r]["fc1.weight"], want, rtol=1e-4, atol=1e-4)
         assert torch.equal(got[r]["head.weight"], got[0]["head.weight"])
+
+
+@pytest.mark.slow
+def test_a_one_shot_model_deploys_like_any_finalized_model(tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = calibrated("sparsegpt:2:4")
+    nmcompile.finalize(model)
+    x = torch.randn(4, 16)
+    exported = nmcompile.export_onnx(model, (x,), tmp_path / "oneshot.onnx")
+    assert exported.check.ok and len(exported.initializers) == 3 and exported.max_abs_diff < 1e-4
+    torch._dynamo.reset()
+    with torch.no_grad():
+        deployed = torch.compile(model, backend="nmsparse", options={**AOT, "deploy_kernel": "reference"})(x)
+    torch.testing.assert_close(deployed, model(x))
+    packed = nmcompile.pack(model.fc1.weight.detach())
+    assert torch.equal(nmcompile.unpack(packed), model.fc1.weight.detach())
