@@ -28,6 +28,15 @@ input gradient's weight, or FP8 rounding); their forwards are the plain aten GEM
 - ``fp8``: the forward rounds ``x`` and ``w`` through e4m3, both backward GEMMs round their operands
   through e5m2, each with a per-tensor scale ``FP8_MAX / amax``; accumulation stays float32.
 
+One op gathers calibration statistics for the one-shot recipes (Wanda, SparseGPT); it mutates its
+state arguments in place, returns nothing, and is inserted before each GEMM that reads such a weight:
+
+``accumulate_stats(x, stat, count, route, layout, expert, conv, gram)``: ``x`` is the GEMM's input
+operand as the graph has it; ``stat += X^T X`` (``gram``) or the per-column sum of squares of the rows
+``X`` that reach the weight, ``count +=`` their number, per expert for stacked weights (``expert``: a
+fixed expert, or -1; ``route``: ``offs`` of a grouped GEMM or the ``ids`` of ``W[ids]``); see
+:func:`nmcompile.masks.calibration.input_rows` for the layouts. Runs no autograd (``x`` is detached).
+
 Under ``torch.autocast`` both cast their floating-point inputs to the autocast dtype, as aten's GEMMs do.
 """
 
@@ -43,7 +52,7 @@ from . import masks
 
 __all__ = [
     "prune", "prune_decay", "mask_decay", "prune_when", "soft_threshold", "backward_mask_weight", "linear", "conv",
-    "fake_fp8", "mvue_along", "autocast_kernel", "DECOMPOSITIONS",
+    "fake_fp8", "mvue_along", "autocast_kernel", "accumulate_stats", "DECOMPOSITIONS",
 ]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -75,6 +84,22 @@ prune_decay = torch.library.custom_op("nmsparse::prune_decay", _prune_decay, mut
 soft_threshold = torch.library.custom_op("nmsparse::soft_threshold", _soft_threshold, mutates_args=())
 prune_when = torch.library.custom_op("nmsparse::prune_when", _prune_when, mutates_args=())
 mask_decay = torch.library.custom_op("nmsparse::mask_decay", _mask_decay, mutates_args=())
+
+
+def _accumulate_stats(x: Tensor, stat: Tensor, count: Tensor, route: Optional[Tensor], layout: str, expert: int,
+                      conv: list[int], gram: bool) -> None:
+    rows, who = masks.calibration.input_rows(x.detach(), layout, route, conv)
+    masks.calibration.accumulate(stat, count, rows, who, expert, gram)
+
+
+accumulate_stats = torch.library.custom_op(
+    "nmsparse::accumulate_stats", _accumulate_stats, mutates_args=("stat", "count")
+)
+
+
+@accumulate_stats.register_fake
+def _(x, stat, count, route, layout, expert, conv, gram):
+    return None
 
 
 @prune.register_fake

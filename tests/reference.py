@@ -121,3 +121,48 @@ def fake_fp8(t, dtype):
     top = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
     scale = top / t.abs().max()
     return (t * scale).to(dtype).to(t.dtype) / scale
+
+
+# ---- one-shot pruning from calibration data, written from the papers' equations (float64, no blocking)
+
+
+def wanda(w, x, n, m):
+    """Wanda (Sun et al. 2023, eq. 1): S_ij = |W_ij| * ||X_j||_2; keep the n largest S of every m
+    consecutive inputs in each output row (comparison group per output, N:M along the input)."""
+    score = w.double().abs() * x.double().norm(dim=0)
+    return w * topn_mask(score, n, m, dim=1)
+
+
+def sparsegpt(w, x, n, m, percdamp=0.01, update=True):
+    """SparseGPT (Frantar & Alistarh 2023), column by column with explicit inverse Hessians.
+
+    H = X^T X / T, dead inputs (H_jj = 0) get H_jj = 1 and a zero weight, then H += percdamp * mean(diag H) I.
+    For column j (left to right) the columns still free are F = {j, j+1, ...} and H_F^-1 = inv(H[F, F]).
+    At the first column of each group of m, the n columns k of the group with the largest OBS
+    saliency w_k^2 / [H_{F_k}^-1]_00 are kept (F_k = {k, ...}). Column j is then set to its target q
+    (0 if pruned, else w_j), and the OBS update moves its error onto the free columns:
+    W[:, F] -= (w_j - q) / [H_F^-1]_00 * [H_F^-1]_0,: .
+    Returns (new weight, keep mask).
+    """
+    w0 = w.double()
+    x = x.double()
+    h = x.T @ x / x.shape[0]
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w = w0.clone()
+    w[:, dead] = 0
+    h += percdamp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    cols = w.shape[1]
+    inv = [torch.linalg.inv(h[j:, j:]) for j in range(cols)]
+    keep = torch.ones_like(w, dtype=torch.bool)
+    for j in range(cols):
+        if j % m == 0:
+            score = torch.stack([w[:, k] ** 2 / inv[k][0, 0] for k in range(j, j + m)], dim=1)
+            order = torch.sort(-score, dim=1, stable=True).indices
+            group = torch.zeros_like(score, dtype=torch.bool).scatter_(1, order[:, :n], True)
+            keep[:, j:j + m] = group
+        q = torch.where(keep[:, j], w[:, j], torch.zeros_like(w[:, j]))
+        w[:, j:] -= ((w[:, j] - q) / inv[j][0, 0]).unsqueeze(1) * inv[j][0].unsqueeze(0)
+        w[:, j] = q
+    out = w if update else w0 * keep
+    return out.to(torch.float32), keep

@@ -6,6 +6,8 @@
     nmcompile recipes                                the recipes, their keys and defaults
     nmcompile demo [--recipe s_ste:2:4] [--out DIR]  train a character GPT on Shakespeare, plot, finalize, export
     nmcompile report RUN_DIR                         plots of a recorded run
+    nmcompile prune MODEL --recipe sparsegpt:2:4 --calibration FILE --out DIR
+                                                     one-shot N:M of a trained model from calibration text
 """
 
 from __future__ import annotations
@@ -83,6 +85,23 @@ def _report(args) -> int:
     return 0
 
 
+def _prune(args) -> int:
+    from .prune import format_summary, prune_model
+
+    try:
+        summary = prune_model(
+            args.model, args.recipe, args.calibration, args.out, held_out=args.held_out, seq_len=args.seq_len,
+            samples=args.samples, batch_size=args.batch, sequential=args.sequential, include=args.include,
+            exclude=args.exclude if args.exclude is not None else ["*lm_head*"], tokenizer=args.tokenizer,
+            inner=args.inner, progress=not args.quiet,
+        )
+    except (ImportError, ValueError, OSError, RuntimeError) as err:
+        print(f"nmcompile prune: {err}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="nmcompile", description="N:M structured sparsity tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +152,34 @@ def main(argv=None) -> int:
     )
     p.add_argument("run_dir", help="a folder written by 'nmcompile demo --out RUN_DIR' or nmcompile.app.save_run")
     p.set_defaults(run=_report)
+    p = sub.add_parser(
+        "prune", help="one-shot N:M pruning (wanda, sparsegpt) of a trained causal LM from calibration text",
+        description="Loads a local Hugging Face model directory (or a torch.save'd nn.Module; only files you trust), "
+        "tokenises the calibration text with its tokenizer, runs it through torch.compile(backend='nmsparse') with "
+        "the recipe declared (the graph gathers each weight's input statistics), solves with nmcompile.finalize, "
+        "checks N:M, saves a Hugging Face directory (safetensors) or model.pt plus model_packed.pt (2:4 packed), and "
+        "prints the held-out loss before and after. No network access. Exit status 2 on bad input.",
+    )
+    p.add_argument("model", help="a local Hugging Face model directory, or a .pt file of a torch.save'd model")
+    p.add_argument("--recipe", default="sparsegpt:2:4", help="wanda:N:M or sparsegpt:N:M[,blocksize=..,percdamp=..,"
+                   "update=off] (default sparsegpt:2:4)")
+    p.add_argument("--calibration", required=True, help="calibration text (UTF-8), or a .pt tensor of token ids")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--held-out", default=None, help="held-out text for the loss (default: the last tenth of the "
+                   "calibration text, which is then not calibrated on)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per calibration window (default 128)")
+    p.add_argument("--samples", type=int, default=128, help="calibration windows at most (default 128)")
+    p.add_argument("--batch", type=int, default=8, help="windows per forward (default 8)")
+    p.add_argument("--sequential", action="store_true", help="calibrate each block on the outputs of the blocks "
+                   "already pruned (one calibration pass per block; see docs/recipes.md)")
+    p.add_argument("--include", action="append", metavar="GLOB", help="prune only these weights (repeatable)")
+    p.add_argument("--exclude", action="append", metavar="GLOB", help="leave these dense (repeatable; default "
+                   "'*lm_head*')")
+    p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (for a .pt model)")
+    p.add_argument("--inner", default="aot_eager", help="inner compiler for the calibration graph (default "
+                   "aot_eager: no Inductor compile for a one-time run; 'inductor' for long calibrations)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_prune)
     args = parser.parse_args(argv)
     return args.run(args)
 

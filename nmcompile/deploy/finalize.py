@@ -54,11 +54,14 @@ class FinalizeReport(dict):
     def __init__(self) -> None:
         super().__init__()
         self.dense: dict[str, str] = {}
+        #: one-shot recipes (Wanda, SparseGPT): ``{name: [what was done instead of the normal solve]}``
+        self.fallbacks: dict[str, list[str]] = {}
 
     def __str__(self) -> str:
         lines = [f"nmcompile.finalize: {len(self)} weights are N:M"]
         lines += [f"  {name}: {d.describe()}" for name, d in self.items()]
         lines += [f"  - {name}: dense, {why}" for name, why in self.dense.items()]
+        lines += [f"  ! {note}" for notes in self.fallbacks.values() for note in notes]
         return "\n".join(lines)
 
 
@@ -93,7 +96,8 @@ def _not_nm_hint(recipe) -> str:
     return "the forward weight is not N:M"
 
 
-def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str | None = None) -> FinalizeReport:
+def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str | None = None,
+             calibration=None, sequential: bool = False) -> FinalizeReport:
     """Bake every annotated weight's effective weight into its parameter and drop training state.
 
     Idempotent: calling it on a finalized model changes nothing and returns the same report.
@@ -109,6 +113,16 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             a freshly built model, e.g. in a serving process), ``"2:4"``: every plain weight of a
             supported layer that is already N:M along its reduction dimension is recorded as
             deployed, unchanged; the others stay dense, listed with the reason in ``report.dense``.
+        calibration: for one-shot recipes (``wanda``, ``sparsegpt``), a function of no arguments that runs
+            the compiled model over the calibration batches (eval, no grad). Without it, finalize solves
+            from the statistics gathered by the forwards run so far.
+        sequential: solve one block (the weights under one numbered module, ``layers.3``) at a time,
+            calling ``calibration`` again before each so that every block is calibrated on the outputs
+            of the blocks already pruned (SparseGPT's sequential form; needs ``calibration``).
+
+    One-shot weights are solved first (:mod:`nmcompile.deploy.oneshot`); what was done instead of the
+    normal solve for a weight (no token reached it: magnitude; a singular Hessian) is warned about
+    and listed in ``report.fallbacks``.
 
     Raises:
         ValueError: nothing in ``model`` is annotated or finalized, or a layer is not N:M and
@@ -117,6 +131,7 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"finalize takes an nn.Module, got {type(model).__name__}")
     report = FinalizeReport()
+    solved = _solve_one_shot(model, calibration, sequential, report)
     loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
     broken: dict[str, str] = {}
@@ -124,6 +139,8 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
         if name in broken:
             continue
         nm, dim = ann.recipe.pattern, ann.dim
+        if name in solved:
+            weight = solved[name].weight
         bad, total = masks.count_violations(weight, nm.n, nm.m, dim)
         change = 0.0
         if bad:
@@ -181,6 +198,36 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             stacklevel=2,
         )
     return report
+
+
+def _solve_one_shot(model: nn.Module, calibration, sequential: bool, report: FinalizeReport) -> dict:
+    """``{name: Solved}`` of the one-shot weights (see :mod:`nmcompile.deploy.oneshot`)."""
+    from . import oneshot
+
+    if calibration is not None and not callable(calibration):
+        raise TypeError(f"finalize(calibration=...) takes a function of no arguments that runs the compiled model "
+                        f"over the calibration batches, got {type(calibration).__name__}")
+    if sequential and calibration is None:
+        raise ValueError("finalize(sequential=True) calibrates again before each block: pass calibration=fn, a "
+                         "function of no arguments that runs the compiled model over the calibration batches")
+    if not oneshot.calibrated(model):
+        if calibration is not None:
+            raise ValueError("finalize(calibration=...) is for one-shot recipes (wanda, sparsegpt), and no weight of "
+                             f"{type(model).__name__} is declared with one")
+        return {}
+    if sequential:
+        solved = oneshot.solve_sequential(model, calibration)
+    else:
+        if calibration is not None:
+            calibration()
+        solved = oneshot.solve(model)
+    for name, result in solved.items():
+        if result.notes:
+            report.fallbacks[name] = result.notes
+    if report.fallbacks:
+        warnings.warn("nmcompile.finalize: one-shot weights solved otherwise than from their statistics:\n  "
+                      + "\n  ".join(note for notes in report.fallbacks.values() for note in notes), stacklevel=3)
+    return solved
 
 
 def deploy_report(model: nn.Module) -> dict[str, object]:

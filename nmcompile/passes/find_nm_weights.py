@@ -207,6 +207,10 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
                         f"{recipe} changes the GEMM's backward, which nmcompile can do for linear, addmm, "
                         f"x @ W and batched conv1d/conv2d calls, not for {fixed[0]}"
                     )
+        if skip is None and recipe.calibrated:
+            routes = _graph.calibration_routes(node, dim)
+            if isinstance(routes, str):
+                skip = f"{routes}, so its calibration statistics cannot be gathered"
         if skip is not None:
             ctx.skipped[fqn] = f"{skip} (recipe {recipe} from {origin})"
             ann = annotation_of(*owned) if owned else None

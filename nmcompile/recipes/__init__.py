@@ -13,13 +13,15 @@ from .bi_mask import BiMask
 from .mdgf import MDGF
 from .s_ste import SSTE
 from .sdgf import SDGF
+from .sparsegpt import SparseGPT
 from .sr_ste import SRSTE
 from .ste import STE
 from .step import STEP
 from .transposable import Transposable
+from .wanda import Wanda
 
 __all__ = [
-    "Recipe", "STE", "SRSTE", "SSTE", "STEP", "MDGF", "SDGF", "BiMask", "Transposable", "ASP",
+    "Recipe", "STE", "SRSTE", "SSTE", "STEP", "MDGF", "SDGF", "BiMask", "Transposable", "ASP", "Wanda", "SparseGPT",
     "RECIPES", "parse", "get",
 ]
 
@@ -33,6 +35,8 @@ RECIPES: dict[str, type[Recipe]] = {
     "bi_mask": BiMask,
     "transposable": Transposable,
     "asp": ASP,
+    "wanda": Wanda,
+    "sparsegpt": SparseGPT,
 }
 
 

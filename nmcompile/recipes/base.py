@@ -44,6 +44,9 @@ class Recipe:
     #: :meth:`before_step` reads the step's gradients: with ``optimizer.step(closure)`` the closure is
     #: evaluated before it (see :mod:`nmcompile.training.step_driver`)
     reads_gradients: ClassVar[bool] = False
+    #: a one-shot recipe (:mod:`nmcompile.recipes.oneshot`): its state is calibration statistics
+    #: gathered in the graph by ``nmsparse::accumulate_stats``, solved by :func:`nmcompile.finalize`
+    calibrated: ClassVar[bool] = False
 
     n: int = 2  # kept weights per group
     m: int = 4  # group size along the reduction dimension

@@ -1,0 +1,188 @@
+"""Solve the one-shot recipes (Wanda, SparseGPT) from the statistics their graphs gathered.
+
+:func:`solve` computes each calibrated weight's pruned (and, for SparseGPT, updated) value in
+float32 from its ``stat``/``count`` buffers, per expert for stacked weights, without changing the
+model. :func:`solve_sequential` does it block by block (a block: the weights under one numbered
+module, ``...layers.3.``), running the caller's calibration again before each block with the
+blocks before it already pruned in place, so each block is solved on the inputs the pruned model
+gives it (SparseGPT's sequential form). Both return ``{name: Solved}``; :func:`nmcompile.finalize`
+bakes them.
+
+What is not normal calibration is named, never left silent:
+
+- no token reached any calibrated weight: :class:`NoCalibration` (a ``ValueError``);
+- non-finite statistics (NaN/inf activations): ``ValueError`` naming the weight;
+- one weight (or expert) no token reached (a graph break, an unused expert): pruned by magnitude,
+  named in ``Solved.notes``;
+- SparseGPT with fewer tokens than input columns: solved with its dampening, named;
+- a Hessian that cannot be factored: pruned by Wanda's score from its diagonal, named.
+
+In a process group every rank calls finalize: the statistics are summed over the ranks first, so
+each rank may calibrate on its own share of the batches and all get the same weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import masks
+from ..masks.calibration import from_columns, to_columns
+from ..masks.oneshot import SingularHessian
+from ..state.records import annotation_of, owners, state_of
+from ..state.sharding import full
+
+__all__ = ["Solved", "NoCalibration", "calibrated", "solve", "solve_sequential", "blocks", "reset"]
+
+
+class NoCalibration(ValueError):
+    """No calibration token reached any weight of a one-shot recipe."""
+
+
+@dataclass
+class Solved:
+    weight: torch.Tensor  # the new weight, in the parameter's dtype
+    notes: list[str] = field(default_factory=list)  # named fallbacks
+
+
+def calibrated(model: nn.Module) -> list[tuple[str, list, object]]:
+    """``(name, holders, annotation)`` of every weight declared with a one-shot recipe."""
+    found = []
+    for name, places in owners(model):
+        ann = annotation_of(*places[0][1:])
+        if ann is not None and ann.recipe.calibrated:
+            found.append((name, places, ann))
+    return found
+
+
+def _hint(recipe) -> str:
+    return (f"run the model compiled with torch.compile(model, backend='nmsparse') over calibration batches "
+            f"(model.eval(), torch.no_grad()) before nmcompile.finalize, or pass finalize(model, calibration=fn) "
+            f"with fn running them; {recipe} gathers its statistics inside the compiled graph only")
+
+
+def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
+    recipe, dim = ann.recipe, ann.dim
+    param = full(module._parameters[pname].detach())
+    stat, count = (full(t) for t in state_of(module, pname, ann))
+    if not bool(torch.isfinite(stat).all()):
+        raise ValueError(
+            f"nmcompile.finalize: {name} ({recipe}): its calibration statistics are not finite (NaN or inf "
+            f"activations reached it); nothing was changed. Check the calibration data and the model in eval() on "
+            f"it (an overflow in float16: calibrate in float32 or bfloat16), then reset the statistics "
+            f"(nmcompile.deploy.oneshot.reset(model)) and calibrate again"
+        )
+    columns = to_columns(param.float(), dim)
+    out = torch.empty_like(columns)
+    cols = columns.shape[-1]
+    notes: list[str] = []
+    for index in itertools.product(*(range(size) for size in columns.shape[:-2])):
+        where = name + (f"[expert {index[0] if len(index) == 1 else index}]" if index else "")
+        w, tokens = columns[index], int(count[index])
+        if tokens == 0:
+            out[index] = masks.prune(w, recipe.n, recipe.m, -1)
+            notes.append(f"{where}: no calibration token reached it (a graph break, an unused expert, or a layer "
+                         "outside the compiled model); pruned by magnitude")
+            continue
+        if recipe.gram and tokens < cols:
+            notes.append(f"{where}: {tokens} calibration tokens for {cols} input columns, so X^T X has rank <= "
+                         f"{tokens}; solved with its dampening ({recipe.percdamp}); calibrate on at least {cols} tokens")
+        try:
+            out[index] = recipe.solve_columns(w, stat[index], tokens)
+        except SingularHessian as err:
+            out[index] = masks.oneshot.wanda(w, torch.diagonal(stat[index]), recipe.n, recipe.m)
+            notes.append(f"{where}: {err}; pruned by Wanda's score |W| * ||X|| instead, without updates "
+                         f"(raise percdamp, e.g. {recipe.name}:{recipe.n}:{recipe.m},percdamp=0.1)")
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"nmcompile.finalize: {name} ({recipe}): the solve gave non-finite weights; nothing was "
+                         "changed. Raise percdamp or calibrate on more tokens")
+    return Solved(from_columns(out, param.shape, dim).to(param.dtype).contiguous(), notes)
+
+
+def _sum_over_ranks(model: nn.Module, names=None) -> None:
+    """Sum the statistics over the process group: each rank calibrated on its own batches.
+
+    Every rank must call finalize (a collective). DDP's ``broadcast_buffers`` would overwrite the
+    other ranks' statistics at each forward: calibrate the compiled module itself on each rank.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_world_size() == 1:
+        return
+    for name, places, ann in calibrated(model):
+        if names is None or name in names:
+            for tensor in state_of(places[0][1], places[0][2], ann):
+                torch.distributed.all_reduce(tensor)
+
+
+def solve(model: nn.Module) -> dict[str, Solved]:
+    """Every calibrated weight solved from its statistics (the model is not changed)."""
+    _sum_over_ranks(model)
+    items = calibrated(model)
+    if items and all(int(state_of(*p[0][1:], ann)[1].sum()) == 0 for _, p, ann in items):
+        raise NoCalibration(
+            f"nmcompile.finalize: no calibration batch reached the {len(items)} weights declared with "
+            f"{items[0][2].recipe} (their token counts are 0); {_hint(items[0][2].recipe)}"
+        )
+    return {name: solve_one(name, places[0][1], places[0][2], ann) for name, places, ann in items}
+
+
+def blocks(names: list[str]) -> list[list[str]]:
+    """``names`` grouped by the numbered module they sit under (``model.layers.3``), in order."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        found = re.match(r"(.*?\.\d+)\.", name)
+        groups.setdefault(found.group(1) if found else name, []).append(name)
+    return list(groups.values())
+
+
+def reset(model: nn.Module, names=None) -> None:
+    """Zero the calibration statistics of the one-shot weights (``names``: only those)."""
+    with torch.no_grad():
+        for name, places, ann in calibrated(model):
+            if names is None or name in names:
+                for tensor in state_of(places[0][1], places[0][2], ann):
+                    tensor.zero_()
+
+
+def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
+    """Solve block by block, calibrating each block on the outputs of the blocks already pruned.
+
+    ``calibration()`` runs the compiled model over the calibration batches; it is called once per
+    block, with every other weight's count set to -1, which pauses its statistics (the op adds
+    nothing), so each pass computes the statistics of one block only. Solved weights are written
+    into the model as each block is done.
+    """
+    items = {name: (places, ann) for name, places, ann in calibrated(model)}
+    counts = {name: state_of(places[0][1], places[0][2], ann)[1] for name, (places, ann) in items.items()}
+    solved: dict[str, Solved] = {}
+    kept: dict[str, torch.Tensor] = {}
+    try:
+        for block in blocks(list(items)):
+            reset(model, block)
+            with torch.no_grad():
+                for name in items:
+                    if name not in block:
+                        counts[name].fill_(-1)  # paused: only this block gathers in this pass
+            calibration()
+            _sum_over_ranks(model, block)
+            if all(int(counts[name].sum()) == 0 for name in block) and not solved:
+                recipe = items[block[0]][1].recipe
+                raise NoCalibration(f"nmcompile.finalize: calibration() ran, but no token reached the weights "
+                                    f"declared with {recipe}; {_hint(recipe)}")
+            with torch.no_grad():
+                for name in block:
+                    places, ann = items[name]
+                    solved[name] = solve_one(name, places[0][1], places[0][2], ann)
+                    kept[name] = counts[name].clone()
+                    for _, module, pname in places:
+                        module._parameters[pname].copy_(solved[name].weight)
+    finally:
+        with torch.no_grad():  # no count stays paused (negative), whatever happened
+            for name, count in counts.items():
+                count.copy_(kept[name]) if name in kept else count.clamp_(min=0)
+    return solved

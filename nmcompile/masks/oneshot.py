@@ -1,0 +1,89 @@
+"""One-shot N:M pruning of a matrix from its input statistics: Wanda and SparseGPT.
+
+Both take the weight as ``W [rows, cols]`` with the N:M groups along ``cols`` (see
+:func:`nmcompile.masks.calibration.to_columns`) and compute in float32.
+
+- Wanda (Sun et al., 2023): score ``S_ij = |W_ij| * ||X_j||_2``; keep the N largest scores of every
+  M consecutive columns in each row. ``sq`` is ``sum_t X_tj^2`` (a constant factor changes nothing).
+- SparseGPT (Frantar & Alistarh, 2023): with ``H = X^T X / tokens + lambda I`` (``lambda`` =
+  ``percdamp`` times the mean of its diagonal), columns are pruned left to right; at the first
+  column of each group the N columns of largest ``W_ij^2 / [H_F^-1]_jj^2`` are kept (``H_F^-1``: the
+  inverse Hessian of the columns not yet done, the rows of the upper Cholesky factor ``U`` of
+  ``H^-1``), and every pruned or kept column's error updates the later columns,
+  ``W_:,j: -= (w_j - q_j) / U_jj * U_j,j:``. Updates inside a block of ``blocksize`` columns are
+  applied at once, to the rest lazily at the block's end (the same result). Inputs that never
+  carried signal (``H_jj == 0``) get ``H_jj = 1`` and a zero weight column.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .topn import keep_mask
+
+__all__ = ["wanda", "sparsegpt", "SingularHessian"]
+
+
+class SingularHessian(ValueError):
+    """The damped ``X^T X`` has no Cholesky factor (not positive definite in float32)."""
+
+
+def wanda(w: torch.Tensor, sq: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """``w`` with the N of every M columns of largest ``|w| * sqrt(sq)`` kept in each row."""
+    w = w.float()
+    score = w.abs() * sq.float().clamp_min(0).sqrt()
+    return w * keep_mask(score, n, m, -1)
+
+
+def inverse_hessian_factor(xtx: torch.Tensor, tokens: int, percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, dead)``: the upper Cholesky factor of the damped ``H^-1`` and the columns without signal."""
+    h = xtx.float() / max(tokens, 1)
+    h = h.clone()
+    diag = torch.diagonal(h)
+    dead = diag == 0
+    diag[dead] = 1
+    diag += percdamp * diag.mean()
+    lower, info = torch.linalg.cholesky_ex(h)
+    if int(info):
+        raise SingularHessian(f"X^T X with dampening {percdamp} is not positive definite (minor {int(info)})")
+    hinv = torch.cholesky_inverse(lower)
+    upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
+    if int(info) or not bool(torch.isfinite(upper).all()):
+        raise SingularHessian(f"the inverse of X^T X with dampening {percdamp} has no Cholesky factor")
+    return upper, dead
+
+
+def sparsegpt(w: torch.Tensor, xtx: torch.Tensor, tokens: int, n: int, m: int, *, blocksize: int = 128,
+              percdamp: float = 0.01, update: bool = True) -> torch.Tensor:
+    """SparseGPT's N:M pruning of ``w`` given ``xtx = X^T X`` over ``tokens`` rows of ``X``.
+
+    ``update=False`` keeps the mask the algorithm chooses and returns the original weights under it.
+    Raises :class:`SingularHessian` when the damped Hessian cannot be factored.
+    """
+    original = w.float()
+    upper, dead = inverse_hessian_factor(xtx, tokens, percdamp)
+    # columns as rows (contiguous): the column sweep reads and updates whole rows of wt
+    wt = original.t().contiguous()
+    wt[dead] = 0
+    cols, rows = wt.shape
+    pruned = torch.zeros_like(wt, dtype=torch.bool)
+    diag = torch.diagonal(upper)
+    for start in range(0, cols, blocksize):
+        end = min(start + blocksize, cols)
+        block = wt[start:end]  # a view: updated in place
+        u = upper[start:end, start:end]
+        err = torch.empty_like(block)
+        for i in range(end - start):
+            if i % m == 0:
+                score = block[i:i + m].square() / diag[start + i:start + i + m].square().unsqueeze(1)
+                drop = torch.topk(score, m - n, dim=0, largest=False).indices + i
+                pruned[start:end].scatter_(0, drop, True)
+            col = block[i]
+            e = col * pruned[start + i] / u[i, i]  # the error of zeroing the pruned entries
+            block[i:].addr_(u[i, i:], e, alpha=-1.0)
+            block[i].masked_fill_(pruned[start + i], 0.0)
+            err[i] = e
+        wt[end:].addmm_(upper[start:end, end:].t(), err, alpha=-1.0)
+    if not update:
+        return original.masked_fill(pruned.t(), 0.0)
+    return wt.masked_fill_(pruned, 0.0).t().contiguous()

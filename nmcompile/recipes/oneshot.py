@@ -1,0 +1,58 @@
+"""What the one-shot recipes (Wanda, SparseGPT) share: calibration state and the solve contract.
+
+A one-shot recipe prunes a trained model from calibration data instead of training it. Its state is
+statistics of the weight's input (``stat``, float32, in the column layout of
+:mod:`nmcompile.masks.calibration`, one per expert for stacked weights) and the number of input rows
+(tokens) they hold (``count``, int64). The ``nmsparse`` backend inserts ``nmsparse::accumulate_stats``
+before each GEMM that reads the weight, so running the compiled model over calibration batches fills
+them; the forward uses the dense weight (:meth:`project` is the identity) until
+:func:`nmcompile.finalize` calls :meth:`solve_columns` on each matrix and bakes the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..masks.calibration import columns_shape
+from .base import Recipe
+
+
+@dataclass(frozen=True, kw_only=True)
+class OneShot(Recipe):
+    calibrated: ClassVar[bool] = True
+    #: whether ``stat`` is ``X^T X`` ([..., cols, cols]) or the per-column sum of squares ([..., cols])
+    gram: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.wgrad != "dense":
+            raise ValueError(
+                f"{self.name}: wgrad={self.wgrad!r} does not apply: {self.name} prunes in one shot from calibration "
+                "data and trains nothing; leave wgrad out (fine-tune afterwards with asp:N:M,permute=0)"
+            )
+
+    def init_state(self, weight, dim):
+        experts, cols = columns_shape(weight.shape, dim)
+        stat_shape = (*experts, cols, cols) if self.gram else (*experts, cols)
+        return {
+            self.state_names[0]: torch.zeros(stat_shape, dtype=torch.float32, device=weight.device),
+            "count": torch.zeros(experts, dtype=torch.int64, device=weight.device),
+        }
+
+    def project(self, weight, *state, dim, frame=None):
+        return weight  # dense until finalize solves
+
+    def forward_pattern(self, frame=None):
+        return None
+
+    def state_problem(self, weight, stat, count, dim):
+        if bool((count < 0).any()):
+            return f"its token count is negative ({int(count.min())})"
+        return None
+
+    def solve_columns(self, w: torch.Tensor, stat: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The pruned float32 matrix ``w [rows, cols]`` (N:M along ``cols``) from one matrix's statistics."""
+        raise NotImplementedError

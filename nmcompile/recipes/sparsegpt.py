@@ -1,0 +1,47 @@
+"""SparseGPT: one-shot N:M pruning with second-order weight updates (Frantar & Alistarh, ICML 2023).
+
+From ``H = X^T X / tokens`` (dampened by ``percdamp`` times its mean diagonal), prunes the columns
+along the reduction dimension left to right, choosing the N kept of each M by ``w^2 / [H^-1]_jj^2``
+and moving each column's pruning error onto the columns not yet done through the inverse Hessian,
+``blocksize`` columns at a time (:func:`nmcompile.masks.oneshot.sparsegpt`). ``update=False`` keeps
+the chosen mask and the original values (mask only). State: ``xtx`` (``X^T X`` of the inputs that
+reached the weight, float32) and ``count`` (tokens). See :mod:`nmcompile.recipes.oneshot`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import masks
+from .oneshot import OneShot
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseGPT(OneShot):
+    name = "sparsegpt"
+    state_names = ("xtx", "count")
+    gram = True
+
+    blocksize: int = 128  # columns per lazy-update block (a multiple of m)
+    percdamp: float = 0.01  # dampening, a fraction of the mean diagonal of X^T X
+    update: bool = True  # move the pruning error onto the kept weights (False: mask only)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.blocksize, bool) or not isinstance(self.blocksize, int) or self.blocksize < self.m \
+                or self.blocksize % self.m:
+            raise ValueError(
+                f"sparsegpt: blocksize={self.blocksize!r} must be a positive multiple of m={self.m} (so that no "
+                f"group of {self.m} straddles two blocks), e.g. sparsegpt:{self.n}:{self.m},blocksize=128"
+            )
+        if not isinstance(self.percdamp, (int, float)) or isinstance(self.percdamp, bool) or not 0 <= self.percdamp < 1:
+            raise ValueError(
+                f"sparsegpt: percdamp={self.percdamp!r} must be a float in [0, 1): the dampening added to X^T X as a "
+                "fraction of its mean diagonal (default 0.01)"
+            )
+        if not isinstance(self.update, bool):
+            raise ValueError(f"sparsegpt: update={self.update!r} must be True or False")
+
+    def solve_columns(self, w, stat, tokens):
+        return masks.oneshot.sparsegpt(w, stat, tokens, self.n, self.m, blocksize=self.blocksize,
+                                       percdamp=self.percdamp, update=self.update)
