@@ -47,7 +47,8 @@ def summarize(rows: list[dict]) -> dict[tuple[str, str, str], dict]:
         out[key] = {"metric": _stats([r["final_eval"] for r in runs]), "n": len(runs),
                     "flip": sum(flips) / len(flips) if flips else None,
                     "seconds": sum(r["seconds"] for r in runs) / len(runs), "steps": runs[0]["steps_run"],
-                    "fastest": min(r["seconds"] for r in runs), "by_seed": {r["seed"]: r["final_eval"] for r in runs}}
+                    "fastest": min(r["seconds"] for r in runs), "by_seed": {r["seed"]: r["final_eval"] for r in runs},
+                    "commits": sorted({r.get("commit", "") for r in runs})}
     return out
 
 
@@ -190,8 +191,10 @@ def head_finding(summary: dict) -> list[str]:
         gap, noise = head["metric"][0] - plain["metric"][0], max(head["metric"][1], plain["metric"][1])
         costs.append((base, gap, noise, diffs))
         body = f"; the sparse body alone is {plain['metric'][0] - dense['metric'][0]:+.4f} from dense" if dense else ""
+        commits = "" if head["commits"] == plain["commits"] else (
+            f", commits {', '.join(head['commits'])} vs {', '.join(plain['commits'])}")
         lines.append(f"- {base}: head sparse {_fmt(head)} vs head dense {_fmt(plain)} ({head['n']} and {plain['n']} "
-                     f"runs): {gap:+.4f} nats per character; per seed ({', '.join(map(str, seeds))}) "
+                     f"runs{commits}): {gap:+.4f} nats per character; per seed ({', '.join(map(str, seeds))}) "
                      f"{', '.join(f'{d:+.4f}' for d in diffs)}{body}.")
     if not costs:
         return lines + ["Not run yet."]

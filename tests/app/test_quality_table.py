@@ -134,8 +134,8 @@ def test_head_rows_and_the_cosine_regime_are_configured():
 
 def test_head_verdict_and_the_order_under_each_schedule():
     rows = [row("gpt", "dense", s, 1.89 + s / 100) for s in range(3)]
-    rows += [row("gpt", "sr_ste 2:4", s, 1.92 + s / 100) for s in range(3)]
-    rows += [row("gpt", "sr_ste+head 2:4", s, 1.96 + s / 100) for s in range(3)]  # 0.04 worse in every seed
+    rows += [dict(row("gpt", "sr_ste 2:4", s, 1.92 + s / 100), commit="old") for s in range(3)]
+    rows += [dict(row("gpt", "sr_ste+head 2:4", s, 1.96 + s / 100), commit="new") for s in range(3)]  # 0.04 worse in every seed
     rows += [row("gpt", "s_ste 2:4", s, 1.93 + s / 100) for s in range(3)]
     rows += [row("gpt", "s_ste+head 2:4", s, 1.94 + (s % 2) / 50) for s in range(3)]  # mixed: within noise
     for regime, step, sr in (("long", 1.75, 1.69), ("cosine", 1.66, 1.68)):
@@ -155,7 +155,8 @@ def test_head_verdict_and_the_order_under_each_schedule():
     assert got[(order, "gpt", "long")] == "sr_ste 2:4 1.6910, step 2:4 1.7510"
     assert got[(order, "gpt", "cosine")] == "asp 2:4 1.6550, step 2:4 1.6610, sr_ste 2:4 1.6810"
     head = "\n".join(report.head_finding(summary))
-    assert "- sr_ste 2:4: head sparse 1.9700 ± 0.0100 vs head dense 1.9300 ± 0.0100 (3 and 3 runs): +0.0400" in head
+    assert ("- sr_ste 2:4: head sparse 1.9700 ± 0.0100 vs head dense 1.9300 ± 0.0100 (3 and 3 runs, commits new vs old): "
+            "+0.0400") in head
     assert "per seed (0, 1, 2) +0.0400, +0.0400, +0.0400; the sparse body alone is +0.0300 from dense" in head
     assert "not beyond seed noise in every recipe" in head  # s_ste's difference is noise
     schedule = "\n".join(report.schedule_finding(summary))
