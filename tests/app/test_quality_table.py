@@ -118,3 +118,48 @@ def test_compare_puts_a_rerun_beside_the_recorded_run_in_seed_spreads():
     assert "| gpt | scratch | dense | 0 | 2.0000 (old) | 2.0070 (new) | +0.0070 | 0.0141 |" in text
     assert "ste 2:4" not in text  # only runs both files hold
     assert text.endswith("Largest difference: 0.49 seed standard deviations.")
+
+
+def test_head_rows_and_the_cosine_regime_are_configured():
+    gpt = quality.configs(["gpt"], [0])
+    head = [c for c in gpt if "+head" in c.name]
+    assert [(c.regime, c.name, c.spec) for c in head] == [
+        ("scratch", "sr_ste+head 2:4", "sr_ste:2:4"), ("scratch", "s_ste+head 2:4", "s_ste:2:4")]
+    cosine = [c for c in gpt if c.regime == "cosine"]
+    assert [c.name for c in cosine] == ["dense", "sr_ste 2:4", "step 2:4", "asp 2:4"]  # dense first: asp starts there
+    assert {c.steps for c in cosine} == {3000}
+    assert not any("+head" in c.name for c in quality.configs(["mnist"], [0]))
+    assert quality.dense_path("r", "gpt", 0, 3000, "cosine") != quality.dense_path("r", "gpt", 0, 3000)
+
+
+def test_head_verdict_and_the_order_under_each_schedule():
+    rows = [row("gpt", "dense", s, 1.89 + s / 100) for s in range(3)]
+    rows += [dict(row("gpt", "sr_ste 2:4", s, 1.92 + s / 100), commit="old") for s in range(3)]
+    rows += [dict(row("gpt", "sr_ste+head 2:4", s, 1.96 + s / 100), commit="new") for s in range(3)]  # 0.04 worse in every seed
+    rows += [row("gpt", "s_ste 2:4", s, 1.93 + s / 100) for s in range(3)]
+    rows += [row("gpt", "s_ste+head 2:4", s, 1.94 + (s % 2) / 50) for s in range(3)]  # mixed: within noise
+    for regime, step, sr in (("long", 1.75, 1.69), ("cosine", 1.66, 1.68)):
+        rows += [row("gpt", n, s, v + s / 1000, regime=regime) for s in range(3)
+                 for n, v in (("dense", 1.65), ("step 2:4", step), ("sr_ste 2:4", sr))]
+    rows += [row("gpt", "asp 2:4", s, 1.655, regime="cosine") for s in range(3)]
+    summary = report.summarize(rows)
+    got = verdicts(rows)
+    assert got[("A sparse output head costs nothing beyond seed noise (sr_ste 2:4)", "gpt", "scratch")].startswith(
+        "does not hold: head sparse 1.9700 ± 0.0100 vs head dense 1.9300 ± 0.0100, worse by +0.0400; "
+        "head dense better in 3 of 3 seeds")
+    assert got[("A sparse output head costs nothing beyond seed noise (s_ste 2:4)", "gpt", "scratch")].startswith(
+        "holds (within seed noise)")
+    # +head rows are not rivals in "closest to dense"
+    assert "(sr_ste 2:4, best of the others)" in got[("S-STE closest to dense at 2:4", "gpt", "scratch")]
+    order = "Order of STEP, SR-STE, ASP at 2:4 (best first)"
+    assert got[(order, "gpt", "long")] == "sr_ste 2:4 1.6910, step 2:4 1.7510"
+    assert got[(order, "gpt", "cosine")] == "asp 2:4 1.6550, step 2:4 1.6610, sr_ste 2:4 1.6810"
+    head = "\n".join(report.head_finding(summary))
+    assert ("- sr_ste 2:4: head sparse 1.9700 ± 0.0100 vs head dense 1.9300 ± 0.0100 (3 and 3 runs, commits new vs old): "
+            "+0.0400") in head
+    assert "per seed (0, 1, 2) +0.0400, +0.0400, +0.0400; the sparse body alone is +0.0300 from dense" in head
+    assert "beyond seed noise in 1 of 2 recipes and not worse in every seed" in head  # s_ste: noise
+    schedule = "\n".join(report.schedule_finding(summary))
+    assert "| step 2:4 | 1.7510 ± 0.0010 (n=3) | 1.6610 ± 0.0010 (n=3) | -0.0900 |" in schedule
+    assert "the order changes (STEP ahead under the schedule)" in schedule
+    assert report.schedule_finding(report.summarize(rows[:9]))[-1].startswith("No row of the cosine regime")
