@@ -30,12 +30,12 @@ class Net(nn.Module):
     def __init__(self, region=None):
         super().__init__()
         self.region = region
-        self.fc1, self.fc2, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
 
     def body(self, x):
         h1 = F.relu(self.fc1(x))
         h2 = F.relu(self.fc2(h1))
-        return self.head(h2), (x, h1, h2)
+        return self.fc3(h2), (x, h1, h2)
 
     def forward(self, x):
         if self.region is None:
@@ -72,14 +72,14 @@ def test_every_route_calibrates_in_the_graph_and_finalize_solves_as_the_referenc
         inputs = [torch.cat([model.body(x)[1][i].reshape(-1, d) for x in batches]) for i, d in enumerate((16, 32, 32))]
     gram = recipe.startswith("sparsegpt")
     dense = {name: layer.weight.detach().clone() for name, layer in (("fc1", model.fc1), ("fc2", model.fc2),
-                                                                      ("head", model.head))}
-    for (name, layer), x in zip((("fc1", model.fc1), ("fc2", model.fc2), ("head", model.head)), inputs):
+                                                                      ("fc3", model.fc3))}
+    for (name, layer), x in zip((("fc1", model.fc1), ("fc2", model.fc2), ("fc3", model.fc3)), inputs):
         stat = getattr(layer, "weight_nm_xtx" if gram else "weight_nm_sq")
         assert int(layer.weight_nm_count) == 60
         torch.testing.assert_close(stat, x.T @ x if gram else x.square().sum(0), rtol=1e-5, atol=1e-4)
     report = nmcompile.finalize(model)
-    assert set(report) == {"fc1.weight", "fc2.weight", "head.weight"} and not report.fallbacks
-    for (name, layer), x in zip((("fc1", model.fc1), ("fc2", model.fc2), ("head", model.head)), inputs):
+    assert set(report) == {"fc1.weight", "fc2.weight", "fc3.weight"} and not report.fallbacks
+    for (name, layer), x in zip((("fc1", model.fc1), ("fc2", model.fc2), ("fc3", model.fc3)), inputs):
         want = ref.sparsegpt(dense[name], x, 2, 4)[0] if gram else ref.wanda(dense[name], x, 2, 4)
         torch.testing.assert_close(layer.weight.detach(), want, rtol=1e-4, atol=1e-4)
     assert nmcompile.check(model).ok

@@ -192,11 +192,18 @@ def test_gradient_accumulation_and_skipped_steps_count_as_the_optimizer_does():
     assert int(model.fc1.weight_nm_step) == 2
 
 
-def test_schedules_stop_counting_when_nothing_needs_them():
+def test_schedules_stop_counting_when_nothing_needs_them(monkeypatch):
     import gc
 
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
+    from nmcompile.training import step_driver
+
+    torch._dynamo.reset()
+    gc.collect()  # earlier tests' models that only a collection frees would drop their hooks during this one
+    # a driver that earlier tests' leftovers still hold (Dynamo keeps a graph-broken frame's compiled
+    # function in that module's globals) would be shared: this test watches a driver of its own
+    monkeypatch.setattr(step_driver, "_DRIVER", None)
     before = len(_global_optimizer_post_hooks)
     model = MLP()
     nmcompile.annotate(model, "mdgf:2:4")

@@ -26,13 +26,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:nmsparse. recipe state for")
 class Net(nn.Module):
     def __init__(self, eager_fc2=False):
         super().__init__()
-        self.fc1, self.fc2, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
         self.eager_fc2 = eager_fc2
 
     def forward(self, x):
         h = F.relu(self.fc1(x))
         h = torch.compiler.disable(self.fc2)(h) if self.eager_fc2 else self.fc2(h)
-        return self.head(F.relu(h))
+        return self.fc3(F.relu(h))
 
 
 def calibrated(recipe="wanda:2:4", batches=None, model=None):
@@ -60,7 +60,7 @@ def test_no_calibration_is_a_named_error_and_changes_nothing(how):
     with pytest.raises(NoCalibration, match="no calibration batch reached the 3 weights declared with sparsegpt:2:4"):
         nmcompile.finalize(model)
     assert all(torch.equal(before[k], v) for k, v in weights(model).items())
-    assert nmcompile.effective_weights(model).keys() == {"fc1.weight", "fc2.weight", "head.weight"}  # still declared
+    assert nmcompile.effective_weights(model).keys() == {"fc1.weight", "fc2.weight", "fc3.weight"}  # still declared
 
 
 def test_a_weight_outside_the_graph_is_pruned_by_magnitude_and_named():
@@ -107,7 +107,7 @@ def test_fewer_tokens_than_columns_is_named_and_solved_with_dampening():
     w = model.fc1.weight.detach().clone()
     with pytest.warns(UserWarning, match="5 calibration tokens for 16 input columns"):
         report = nmcompile.finalize(model)
-    assert set(report.fallbacks) == {"fc1.weight", "fc2.weight", "head.weight"}
+    assert set(report.fallbacks) == {"fc1.weight", "fc2.weight", "fc3.weight"}
     torch.testing.assert_close(model.fc1.weight.detach(), ref.sparsegpt(w, x, 2, 4)[0], rtol=1e-4, atol=1e-4)
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
@@ -243,7 +243,7 @@ def test_ranks_sum_their_statistics_and_get_the_same_weights(tmp_path):
     want = ref.sparsegpt(dense.fc1.weight.detach(), x, 2, 4)[0]
     for r in range(WORLD):
         torch.testing.assert_close(got[r]["fc1.weight"], want, rtol=1e-4, atol=1e-4)
-        assert torch.equal(got[r]["head.weight"], got[0]["head.weight"])
+        assert torch.equal(got[r]["fc3.weight"], got[0]["fc3.weight"])
 
 
 @pytest.mark.slow
