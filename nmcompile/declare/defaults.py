@@ -1,8 +1,8 @@
 """Weights a declaration keeps dense unless it names them: output heads and MoE routers.
 
-Pruning the layer that produces the logits costs more quality per parameter than any other layer,
-and a router ([experts, hidden], a handful of rows) saves almost nothing when pruned while it
-decides where every token goes. So a catch-all declaration (``"sr_ste:2:4"``, a ``"*"`` rule,
+An output head is a small share of a model's weights and writes every logit; a router ([experts,
+hidden], a handful of rows) saves almost nothing when pruned while it decides where every token
+goes. Leaving both dense is the usual practice of one-shot and sparse-training tools. So a catch-all declaration (``"sr_ste:2:4"``, a ``"*"`` rule,
 ``"*.weight"``) leaves them dense, and says so in every report. A rule or an ``include`` glob that
 spells the layer's own name (``"lm_head"``, ``"*.mlp.gate"``, ``"model.head.weight"``: no wildcard
 in the last name) sparsifies it; ``default_dense=[]`` turns the defaults off, and
