@@ -34,7 +34,10 @@ SPECS = {
     "bi_mask": "bi_mask:2:4,every=2,candidates=4",
     "transposable": "transposable:2:4,every=2,wgrad=mvue24",
     "asp": "asp:2:4",
+    "wanda": "wanda:2:4",  # one-shot: trains dense while its statistics gather, deploys once finalized
+    "sparsegpt": "sparsegpt:2:4,blocksize=16",
 }
+TRAINED = [name for name in SPECS if not RECIPES[name].calibrated]  # one-shot recipes train dense
 SPARSE_CALLS = ("cslt_sparse_mm", "sparse_semi_structured_mm", "sparse_semi_structured_addmm")
 
 
@@ -110,15 +113,25 @@ def _check_training(name, kernel, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", TRAINED)
 def test_every_recipe_trains_on_emulated_cusparselt_as_dense_does(name):
     report = _check_training(name, "cusparselt")
     if name == "transposable":
         assert report["fc2.weight"].dgrad.kernel == report["fc2.weight"].wgrad.kernel == "cusparselt"
 
 
+@pytest.mark.parametrize("name", sorted(set(SPECS) - set(TRAINED)))
+def test_one_shot_recipes_calibrate_on_the_dense_kernel_and_say_why(name):
+    _, dense_out, dense_grads, _ = _train(SPECS[name], "dense")
+    model, out, grads, counts = _train(SPECS[name], "cusparselt")
+    assert counts[-1] == 0  # no sparse call while the weights are dense and their statistics gather
+    assert "not N:M by construction" in train_report(model)["fc2.weight"].forward.reason
+    _close(out[0], dense_out[0], f"{name} step 0 output")
+    assert int(model.fc2.weight_nm_count) > 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", TRAINED)
 def test_every_recipe_trains_on_emulated_cutlass_with_dynamic_token_counts(name):
     # 64 tokens fit CUTLASS's WGRAD reduction dim (by 64); 48 take the dense WGRAD at run time
     report = _check_training(name, "cutlass", capability=(8, 0), dynamic=True, tokens=(64, 48, 64))
@@ -151,7 +164,18 @@ def _finalized(spec, dtype=BF16):
     torch.manual_seed(0)
     model = Sliced()
     nmcompile.annotate(model, spec)
-    nmcompile.finalize(model, force=True)
+    if nmcompile.recipes.parse(spec).calibrated:  # one-shot: statistics from calibration batches, then solved
+        compiled = torch.compile(model, backend="nmsparse", options=AOT)
+
+        def calibrate():
+            with torch.no_grad():
+                for _ in range(2):
+                    compiled(torch.randn(8, 8, 96))
+
+        nmcompile.finalize(model, calibration=calibrate)
+        torch._dynamo.reset()
+    else:
+        nmcompile.finalize(model, force=True)
     return model.to(dtype).eval()
 
 
