@@ -15,7 +15,7 @@ from ..state import records
 from ..state.records import annotation_of, deployed_of, owners, state_dict_of
 from ..declare.defaults import default_reason
 from ..recipes import parse
-from . import _graph, _sources
+from . import _calibration_routes, _graph, _sources
 from .context import NMTarget, PassContext
 
 
@@ -208,7 +208,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
                         f"x @ W and batched conv1d/conv2d calls, not for {fixed[0]}"
                     )
         if skip is None and recipe.calibrated:
-            routes = _graph.calibration_routes(node, dim)
+            routes = _calibration_routes.calibration_routes(node, dim)
             if isinstance(routes, str):
                 skip = f"{routes}, so its calibration statistics cannot be gathered"
         if skip is not None:
