@@ -162,7 +162,7 @@ def step_gate(device) -> list[dict]:
     nmcompile.annotate(model, STEP_RECIPE)
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(model, backend="nmsparse", mode="reduce-overhead", options={"train_kernel": "cusparselt"})
+        compiled = torch.compile(model, backend="nmsparse", options={"mode": "reduce-overhead", "train_kernel": "cusparselt"})
         for _ in range(4):  # the gate switches within these steps
             out = _step(model, compiled, x)
             for p in model.parameters():

@@ -15,6 +15,8 @@ Options (``torch.compile(model, backend="nmsparse", options={...})``):
   (:mod:`nmcompile.kernels.train_dispatch`): ``"auto"`` (default: cuSPARSELt where it can run and
   was timed faster, else dense), ``"dense"``, ``"cusparselt"``, ``"cutlass"`` (an error where they
   cannot run), ``"reference"`` (the packed layout and a dense product, any device);
+- ``mode``: a ``torch.compile`` mode (``"reduce-overhead"`` for CUDA graphs, ``"max-autotune"``...),
+  for when other options are given too (``torch.compile`` refuses ``mode=`` beside ``options=``);
 - ``deploy_kernel``, ``strict`` (read by the backend itself; ``strict=True`` turns the summary of
   declared weights left dense into an error);
 - any ``torch._inductor.config`` setting, passed to Inductor as scoped ``config_patches``.
@@ -34,7 +36,8 @@ from ..recipes.base import nearest
 
 __all__ = ["Inner", "parse_options", "NM_OPTIONS", "INNER", "PROJECTIONS"]
 
-NM_OPTIONS = ("recipe", "include", "exclude", "default_dense", "inner", "projections", "train_kernel", "deploy_kernel", "strict")
+NM_OPTIONS = ("recipe", "include", "exclude", "default_dense", "inner", "projections", "train_kernel", "deploy_kernel",
+              "strict", "mode")
 INNER = ("inductor", "aot_eager", "eager")
 PROJECTIONS = ("auto", "inline", "shared")
 
@@ -120,6 +123,13 @@ def parse_options(options, mode) -> tuple[Plan | None, Inner, str]:
     if recipe is None and (include or exclude or default_dense is not None):
         raise ValueError("nmsparse options include/exclude/default_dense need a 'recipe' to filter")
     plan = Plan.build(recipe, include=include, exclude=exclude, default_dense=default_dense) if recipe is not None else None
+    if "mode" in options:
+        if mode is not None:
+            raise ValueError("nmsparse: give the mode once, as torch.compile(mode=...) or as options={'mode': ...}")
+        mode = options.pop("mode")
+        modes = torch._inductor.list_mode_options()
+        if mode not in modes:
+            raise ValueError(f"nmsparse option mode={mode!r} is not one of {', '.join(modes)}")
     patches = {}
     if mode not in (None, "default"):
         patches.update(torch._inductor.list_mode_options(mode))

@@ -39,7 +39,7 @@ from ..ops import autocast_kernel
 from .packed import Packed24, pack, unpack
 from .training import ALIGNMENT, strided
 
-__all__ = ["sparse_linear", "compress", "padded_tokens", "CacheKeyPass", "KERNELS", "DENSE_MULTIPLE"]
+__all__ = ["sparse_linear", "compress", "padded_tokens", "CacheKeyPass", "ChainedPass", "KERNELS", "DENSE_MULTIPLE"]
 
 KERNELS = ("cusparselt", "cpu24", "reference")
 #: cuSPARSELt's dense dims (the token count here) must be multiples of 8 for fp16/bf16
@@ -152,15 +152,34 @@ class CacheKeyPass(CustomGraphPass):
         return hashlib.sha256(f"nmcompile {__version__}\n{_code_hash()}\n{self.plan}".encode()).hexdigest()
 
 
+class ChainedPass(CustomGraphPass):
+    """Several post-grad passes run in order as one, for torch releases whose
+    ``post_grad_custom_post_pass`` takes a single pass (2.11 calls it; a list is accepted from 2.13)."""
+
+    def __init__(self, passes):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph) -> None:
+        for run in self.passes:
+            run(graph)
+
+    def uuid(self) -> str:
+        parts = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
+        if any(part is None for part in parts):  # a plain function has no key: Inductor must not cache
+            return None
+        return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
+
+
 def with_cache_key(patches: dict, plan: str) -> dict:
-    """``patches`` plus :class:`CacheKeyPass` appended to ``post_grad_custom_post_pass`` (a list from torch 2.13)."""
+    """``patches`` with :class:`CacheKeyPass` run after any ``post_grad_custom_post_pass`` the user set
+    (one :class:`ChainedPass`, which every supported torch release takes)."""
     key = "post_grad_custom_post_pass"
     current = patches.get(key, torch._inductor.config.post_grad_custom_post_pass)
     ours = CacheKeyPass(plan)
     if current is None:
         combined = ours
     elif isinstance(current, (list, tuple)):
-        combined = [*current, ours]
+        combined = ChainedPass([*current, ours])
     else:
-        combined = [current, ours]
+        combined = ChainedPass([current, ours])
     return {**patches, key: combined}

@@ -157,7 +157,14 @@ def test_cache_key_covers_version_code_and_plan():
     assert isinstance(patches["post_grad_custom_post_pass"], CacheKeyPass)
     theirs = CacheKeyPass("user")
     merged = with_cache_key({"post_grad_custom_post_pass": theirs}, "p")["post_grad_custom_post_pass"]
-    assert merged[0] is theirs and isinstance(merged[1], CacheKeyPass)
+    # one callable pass (torch 2.11 calls the setting; only 2.13 takes a list) running theirs, then ours
+    assert callable(merged) and merged.passes[0] is theirs and isinstance(merged.passes[1], CacheKeyPass)
+    assert merged.uuid() != with_cache_key({"post_grad_custom_post_pass": CacheKeyPass("other")}, "p")[
+        "post_grad_custom_post_pass"].uuid()
+    seen = []
+    assert with_cache_key({"post_grad_custom_post_pass": [seen.append]}, "p")["post_grad_custom_post_pass"].uuid() is None
+    with_cache_key({"post_grad_custom_post_pass": [seen.append]}, "p")["post_grad_custom_post_pass"]("graph")
+    assert seen == ["graph"]
 
 
 @pytest.mark.gpu
