@@ -86,7 +86,23 @@ def nmsparse_model(model: nn.Module, dtype: torch.dtype, include=None) -> tuple[
     return model, torch.compile(model, backend="nmsparse", dynamic=False)
 
 
-def linear_row(name: str, tokens: int, fin: int, fout: int, dtype: torch.dtype, reps: int, warmup: int) -> dict:
+def graphs_variants(dense: nn.Module, sparse: nn.Module, fns: dict, errors: dict, x) -> None:
+    """``dense_graphs`` and ``nmsparse_graphs``: both compiled with mode="reduce-overhead" (CUDA
+    graphs: no host work per call, where cuSPARSELt plans at every call), added to ``fns``."""
+    try:
+        dense_graphs = torch.compile(dense, mode="reduce-overhead", dynamic=False)
+        fns["dense_graphs"] = lambda: dense_graphs(x)
+    except Exception as exc:
+        errors["dense_graphs"] = short_error(exc)
+    try:
+        sparse_graphs = torch.compile(sparse, backend="nmsparse", dynamic=False, options={"mode": "reduce-overhead"})
+        fns["nmsparse_graphs"] = lambda: sparse_graphs(x)
+    except Exception as exc:
+        errors["nmsparse_graphs"] = short_error(exc)
+
+
+def linear_row(name: str, tokens: int, fin: int, fout: int, dtype: torch.dtype, reps: int, warmup: int,
+               graphs: bool = False) -> dict:
     w32 = pruned_24(fout, fin)
     b32 = torch.randn(fout, device="cuda") * 0.01
     w, b = w32.to(dtype), b32.to(dtype)
@@ -110,13 +126,16 @@ def linear_row(name: str, tokens: int, fin: int, fout: int, dtype: torch.dtype, 
         with torch.no_grad():
             linear.weight.copy_(w32)
             linear.bias.copy_(b32)
+        dense_model = copy.deepcopy(nn.Sequential(linear)).eval().to(dtype)
         model, compiled = nmsparse_model(nn.Sequential(linear), dtype)
         fns["nmsparse"] = lambda: compiled(x)
+        if graphs:
+            graphs_variants(dense_model, model, fns, setup_errors, x)
     except Exception as exc:
         setup_errors["nmsparse"] = short_error(exc)
 
     times = {**setup_errors, **time_interleaved(fns, reps=reps, warmup=warmup)}
-    kernel, report = kernel_choices(model) if model is not None else ("n/a", "")
+    kernel, report = kernel_choices(model) if model is not None else ("n/a", "")  # the last compile's decisions
     row = {"shape": f"{name} {tokens}x{fin}->{fout}", "dtype": str(dtype).removeprefix("torch."), **times}
     row["nmsparse_kernel"], row["nmsparse_report"] = kernel, report
     if isinstance(times.get("dense"), float) and isinstance(times.get("cslt"), float):
@@ -126,11 +145,13 @@ def linear_row(name: str, tokens: int, fin: int, fout: int, dtype: torch.dtype, 
 
 
 def print_linear_table(rows: list[dict]) -> None:
-    print("\n| shape | dtype | dense ms | cslt ms | semi ms | nmsparse ms | nmsparse kernel |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| shape | dtype | dense ms | cslt ms | semi ms | nmsparse ms | dense, graphs ms | nmsparse, graphs ms | "
+          "nmsparse kernel (graphs) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        d = r.get("dense")
-        cols = [cell(d), cell(r.get("cslt"), d), cell(r.get("semi"), d), cell(r.get("nmsparse"), d)]
+        d, g = r.get("dense"), r.get("dense_graphs")
+        cols = [cell(d), cell(r.get("cslt"), d), cell(r.get("semi"), d), cell(r.get("nmsparse"), d), cell(g),
+                cell(r.get("nmsparse_graphs"), g)]
         print(f"| {r['shape']} | {r['dtype']} | " + " | ".join(cols) + f" | {r['nmsparse_kernel']} |")
 
 
@@ -190,7 +211,7 @@ def prune_blocks_(model: Decoder) -> None:
                 module.weight.copy_(prune(module.weight, 2, 4, 1))
 
 
-def e2e_rows(dtype: torch.dtype, quick: bool, reps: int, warmup: int) -> list[dict]:
+def e2e_rows(dtype: torch.dtype, quick: bool, reps: int, warmup: int, graphs: bool = False) -> list[dict]:
     config = dict(GPT2_MEDIUM, layers=4 if quick else GPT2_MEDIUM["layers"])
     torch.manual_seed(0)
     base = Decoder(**config).cuda()
@@ -208,10 +229,12 @@ def e2e_rows(dtype: torch.dtype, quick: bool, reps: int, warmup: int) -> list[di
         ids = torch.randint(0, config["vocab"], (batch, seq), device="cuda")
         torch._dynamo.reset()
         dense_compiled = torch.compile(dense, backend="inductor", dynamic=False)
-        fns = {"dense": lambda: dense_compiled(ids)}
+        fns, errors = {"dense": lambda: dense_compiled(ids)}, {}
         if nm_compiled is not None:
             fns["nmsparse"] = lambda: nm_compiled(ids)
-        times = time_interleaved(fns, reps=reps, warmup=warmup)
+            if graphs:
+                graphs_variants(dense, sparse_eager, fns, errors, ids)
+        times = {**errors, **time_interleaved(fns, reps=reps, warmup=warmup)}
         if nm_error is not None:
             times["nmsparse"] = nm_error
         kernel, report = kernel_choices(sparse_eager) if nm_compiled is not None else ("n/a", "")
@@ -222,11 +245,12 @@ def e2e_rows(dtype: torch.dtype, quick: bool, reps: int, warmup: int) -> list[di
 
 
 def print_e2e_table(rows: list[dict]) -> None:
-    print("\n| decoder | dtype | dense (inductor) ms | nmsparse ms | nmsparse kernels |")
-    print("|---|---|---|---|---|")
+    print("\n| decoder | dtype | dense (inductor) ms | nmsparse ms | dense, graphs ms | nmsparse, graphs ms | nmsparse kernels |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        d = r.get("dense")
-        print(f"| {r['case']} | {r['dtype']} | {cell(d)} | {cell(r.get('nmsparse'), d)} | {r['nmsparse_kernel']} |")
+        d, g = r.get("dense"), r.get("dense_graphs")
+        print(f"| {r['case']} | {r['dtype']} | {cell(d)} | {cell(r.get('nmsparse'), d)} | {cell(g)} | "
+              f"{cell(r.get('nmsparse_graphs'), g)} | {r['nmsparse_kernel']} |")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -238,6 +262,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-linear", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--reports", action="store_true", help="print nmsparse's per-layer kernel reasons")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also dense and nmsparse under CUDA graphs (mode='reduce-overhead'), against each other")
     parser.add_argument("--out", default=None, help="write every measurement to this JSON file")
     return parser.parse_args(argv)
 
@@ -256,17 +282,18 @@ def main(argv=None) -> int:
     if not args.skip_linear:
         for dtype in dtypes:
             for name, tokens, fin, fout in shapes(args.quick):
-                row = linear_row(name, tokens, fin, fout, dtype, reps, args.warmup)
+                row = linear_row(name, tokens, fin, fout, dtype, reps, args.warmup, graphs=args.graphs)
                 linear.append(row)
                 print(f"  {row['shape']} {row['dtype']}: " + ", ".join(
-                    f"{k} {cell(row.get(k))}" for k in ("dense", "cslt", "semi", "nmsparse")), flush=True)
+                    f"{k} {cell(row.get(k))}" for k in ("dense", "cslt", "semi", "nmsparse", "dense_graphs",
+                                                        "nmsparse_graphs")), flush=True)
                 if args.reports and row["nmsparse_report"]:
                     print(row["nmsparse_report"])
                 torch.cuda.empty_cache()
         print_linear_table(linear)
     if not args.skip_e2e:
         try:
-            e2e = e2e_rows(dtypes[0], args.quick, reps, args.warmup)
+            e2e = e2e_rows(dtypes[0], args.quick, reps, args.warmup, graphs=args.graphs)
         except Exception as exc:  # e.g. out of memory: keep the linear results
             print(f"end to end failed: {short_error(exc)}")
         if e2e:

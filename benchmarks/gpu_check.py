@@ -84,15 +84,27 @@ def gpu_test_files() -> list[str]:
 
 
 def gpu_tests(clock: Clock, budget: float) -> dict:
-    """``pytest -m gpu`` per file, the time left shared among the files not yet run."""
-    started, files, parts = time.monotonic(), gpu_test_files(), []
+    """``pytest -m gpu`` over the files that hold gpu-marked tests: one run spread over 8 processes
+    where pytest-xdist is installed (the Inductor compiles dominate: 40 tests took 74 s so on an
+    H200 with 16 cores), else one run per file, the time left shared among the files not yet run."""
+    import importlib.util
+
+    files = gpu_test_files()
+    base = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs", "--tb=line"]
+    if importlib.util.find_spec("xdist") is not None:
+        part = run([*base, "-n", "8", *files], min(budget, clock.left() - 150))
+        part["cmd"] = "pytest -m gpu -n 8 (every file)"
+        summary = next((line for line in reversed(part["tail"]) if " passed" in line or " failed" in line), "")
+        print(f"  gpu tests: {part['status']} ({part['seconds']} s) {summary}", flush=True)
+        return {**part, "files": [part]}
+    started, parts = time.monotonic(), []
     for i, path in enumerate(files):
         left = min(budget - (time.monotonic() - started), clock.left() - 240)
         share = left / (len(files) - i)
         if share < 10:
             parts.append({"cmd": path, "status": "skipped: time budget", "seconds": 0, "tail": []})
             continue
-        parts.append(run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", path], share))
+        parts.append(run([*base, path], share))
         print(f"  {path}: {parts[-1]['status']} ({parts[-1]['seconds']} s)", flush=True)
     failed = [p["cmd"] for p in parts if p["status"] != 0]
     return {"cmd": "pytest -m gpu, per file", "status": 0 if not failed else f"not passed: {', '.join(failed)}",
@@ -110,7 +122,7 @@ def run(cmd: list[str], timeout: float) -> dict:
     except subprocess.TimeoutExpired as exc:
         status = "timeout"
         text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-    tail = [line for line in text.strip().splitlines() if line.strip()][-15:]
+    tail = [line for line in text.strip().splitlines() if line.strip() and not line.startswith("DEBUG")][-40:]
     return {"cmd": " ".join(cmd), "status": status, "seconds": round(time.monotonic() - started, 1), "tail": tail}
 
 
@@ -158,10 +170,16 @@ def step_fn(model: nn.Module, compiled, inputs, loss=None, optimizer=None):
     return step
 
 
-def mlp_rows(recipes, kernels_for, clock: Clock, reps: int, warmup: int) -> list[dict]:
+GRAPHS = ", graphs"  # a variant compiled with mode="reduce-overhead" (CUDA graphs), against dense's same
+
+
+def mlp_rows(recipes, kernels_for, clock: Clock, reps: int, warmup: int, graphs: bool = False) -> list[dict]:
+    """Rows per shape: dense and each recipe's kernels; with ``graphs``, each again under CUDA graphs
+    (cuSPARSELt plans on the host at every call, which CUDA graphs replay without)."""
     import nmcompile
     from _gpu_timing import short_error, time_interleaved
 
+    modes = (("", None), (GRAPHS, "reduce-overhead")) if graphs else (("", None),)
     rows = []
     for shape, (d, tokens) in MLP_SHAPES.items():
         torch.manual_seed(0)
@@ -169,35 +187,39 @@ def mlp_rows(recipes, kernels_for, clock: Clock, reps: int, warmup: int) -> list
         dy = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
         base = mlp_block(d).cuda().to(torch.bfloat16)
         torch._dynamo.reset()
-        fns = {"dense": step_fn(base, torch.compile(base, dynamic=False), (x, dy))}
-        reports, errors = {}, {}
+        fns, reports, errors = {}, {}, {}
+        for suffix, mode in modes:
+            fns[f"dense{suffix}"] = step_fn(base, torch.compile(base, dynamic=False, mode=mode), (x, dy))
         for recipe in recipes:
             for kernel in kernels_for(recipe):
-                name = f"{recipe} [{kernel}]"
-                if clock.left() < 30:
-                    errors[name] = "skipped: time budget"
-                    continue
-                try:
-                    model = mlp_block(d).cuda().to(torch.bfloat16)
-                    model.load_state_dict(base.state_dict())
-                    nmcompile.annotate(model, recipe)
-                    compiled = torch.compile(model, backend="nmsparse", dynamic=False, options={"train_kernel": kernel})
-                    fns[name] = step_fn(model, compiled, (x, dy))
-                    fns[name]()  # compiles here, so that the report exists and a failure is this variant's
-                    reports[name] = kernels_summary(model)
-                except Exception as exc:
-                    errors[name] = short_error(exc)
-                    fns.pop(name, None)
+                for suffix, mode in modes:
+                    name = f"{recipe} [{kernel}{suffix}]"
+                    if clock.left() < 30:
+                        errors[name] = "skipped: time budget"
+                        continue
+                    try:
+                        model = mlp_block(d).cuda().to(torch.bfloat16)
+                        model.load_state_dict(base.state_dict())
+                        nmcompile.annotate(model, recipe)
+                        options = {"train_kernel": kernel, **({"mode": mode} if mode else {})}
+                        compiled = torch.compile(model, backend="nmsparse", dynamic=False, options=options)
+                        fns[name] = step_fn(model, compiled, (x, dy))
+                        fns[name]()  # compiles here, so that the report exists and a failure is this variant's
+                        reports[name] = kernels_summary(model)
+                    except Exception as exc:
+                        errors[name] = short_error(exc)
+                        fns.pop(name, None)
         times = {**errors, **time_interleaved(fns, reps=reps, warmup=warmup, inference=False)}
         for name, value in times.items():
             text, sparse = reports.get(name, ("", []))
+            dense = times.get("dense" + (GRAPHS if name.endswith(GRAPHS + "]") else ""))
             rows.append({"shape": f"{shape} {tokens}x{d}->{4 * d}->{d}", "variant": name, "ms": value,
-                         "vs_dense": ratio(times.get("dense"), value), "kernels": text, "sparse_speedups": sparse})
+                         "vs_dense": ratio(dense, value), "kernels": text, "sparse_speedups": sparse})
         torch.cuda.empty_cache()
     return rows
 
 
-def gpt2_rows(clock: Clock, reps: int, warmup: int) -> list[dict]:
+def gpt2_rows(clock: Clock, reps: int, warmup: int, graphs: bool = False) -> list[dict]:
     import nmcompile
     import torch.nn.functional as F
     from _gpu_timing import short_error, time_interleaved
@@ -213,18 +235,22 @@ def gpt2_rows(clock: Clock, reps: int, warmup: int) -> list[dict]:
 
     fns, reports, errors = {}, {}, {}
     torch._dynamo.reset()
-    for name, kernel in (("dense", None), (f"{TARGET} [auto]", "auto")):
-        if clock.left() < 150:  # a 12-layer compile takes minutes
+    variants = [("dense", None, None), (f"{TARGET} [auto]", "auto", None)]
+    if graphs:
+        variants += [(f"dense{GRAPHS}", None, "reduce-overhead"), (f"{TARGET} [auto{GRAPHS}]", "auto", "reduce-overhead")]
+    for name, kernel, mode in variants:
+        if clock.left() < 120:  # a 12-layer compile takes a minute
             errors[name] = "skipped: time budget"
             continue
         try:
             model = Decoder(**GPT2_SMALL).cuda().to(torch.bfloat16)
             model.load_state_dict(base.state_dict())
             if kernel is None:
-                compiled = torch.compile(model, dynamic=False)
+                compiled = torch.compile(model, dynamic=False, mode=mode)
             else:
                 nmcompile.annotate(model, TARGET, include=["blocks.*"])
-                compiled = torch.compile(model, backend="nmsparse", dynamic=False, options={"train_kernel": kernel})
+                options = {"train_kernel": kernel, **({"mode": mode} if mode else {})}
+                compiled = torch.compile(model, backend="nmsparse", dynamic=False, options=options)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             fns[name] = step_fn(model, compiled, (ids, None), loss=loss, optimizer=opt)
             fns[name]()
@@ -235,7 +261,7 @@ def gpt2_rows(clock: Clock, reps: int, warmup: int) -> list[dict]:
             fns.pop(name, None)
     times = {**errors, **time_interleaved(fns, reps=reps, warmup=warmup, inference=False)}
     shape = "GPT-2-small step 8x1024"
-    return [{"shape": shape, "variant": k, "ms": v, "vs_dense": ratio(times.get("dense"), v),
+    return [{"shape": shape, "variant": k, "ms": v, "vs_dense": ratio(times.get("dense" + (GRAPHS if k.endswith(GRAPHS) or k.endswith(GRAPHS + "]") else "")), v),
              "kernels": reports.get(k, ("", []))[0], "sparse_speedups": reports.get(k, ("", []))[1]}
             for k, v in times.items()]
 
@@ -248,23 +274,28 @@ def ratio(dense, value) -> float | None:
 
 
 def targets(result: dict) -> list[dict]:
+    """Each target against every variant that measured it (plain, and under CUDA graphs against dense
+    under CUDA graphs)."""
     def verdict(value, goal):
         return "not measured" if value is None else ("met" if value >= goal else "not met")
 
     out = []
-    mlp = [r for r in result.get("train_mlp", []) if r["variant"] == f"{TARGET} [cusparselt]"]
     for shape in MLP_SHAPES:
-        value = next((r["vs_dense"] for r in mlp if r["shape"].startswith(shape)), None)
-        out.append({"target": f"MLP block fwd+bwd, {shape}, {TARGET} >= 1.3x dense compiled", "measured": value,
-                    "status": verdict(value, 1.3)})
-    gpt = next((r["vs_dense"] for r in result.get("train_gpt2", []) if r["variant"] != "dense"), None)
-    out.append({"target": "GPT-2-small training step >= 1.1x", "measured": gpt, "status": verdict(gpt, 1.1)})
+        for r in result.get("train_mlp", []):
+            if r["shape"].startswith(shape) and r["variant"].startswith(TARGET):
+                out.append({"target": f"MLP block fwd+bwd, {shape}, {r['variant']} >= 1.3x dense compiled",
+                            "measured": r["vs_dense"], "status": verdict(r["vs_dense"], 1.3)})
+    for r in result.get("train_gpt2", []):
+        if not r["variant"].startswith("dense"):
+            out.append({"target": f"GPT-2-small training step, {r['variant']} >= 1.1x", "measured": r["vs_dense"],
+                        "status": verdict(r["vs_dense"], 1.1)})
     linear = result.get("deploy", {}).get("linear", [])
     big = max(linear, key=lambda r: _flops(r["shape"]), default=None)
-    deploy = ratio(big.get("dense"), big.get("nmsparse")) if big else None
-    out.append({"target": f"deploy large GEMM >= 1.5x ({big['shape'] if big else 'n/a'})", "measured": deploy,
-                "status": verdict(deploy, 1.5)})
-    speedups = [s for r in result.get("train_mlp", []) + result.get("train_gpt2", []) if "[auto]" in r["variant"]
+    for dense, sparse, how in (("dense", "nmsparse", ""), ("dense_graphs", "nmsparse_graphs", ", CUDA graphs both")):
+        deploy = ratio(big.get(dense), big.get(sparse)) if big else None
+        out.append({"target": f"deploy large GEMM >= 1.5x ({big['shape'] if big else 'n/a'}{how})", "measured": deploy,
+                    "status": verdict(deploy, 1.5)})
+    speedups = [s for r in result.get("train_mlp", []) + result.get("train_gpt2", []) if "[auto" in r["variant"]
                 for s in r.get("sparse_speedups", [])]
     slower = [s for s in speedups if s < 1.0]
     out.append({"target": "no layer slower than dense under auto", "measured": min(speedups) if speedups else None,
@@ -300,11 +331,13 @@ def markdown(result: dict) -> str:
     for r in result.get("train_mlp", []) + result.get("train_gpt2", []):
         lines.append(f"| {r['shape']} | {r['variant']} | {cell(r['ms'])} | {r['vs_dense'] or '-'} | {r['kernels'] or '-'} |")
     deploy = result.get("deploy", {})
-    lines += ["", "## deploy (deploy_speed.py --quick --dtype bf16)", "", f"status {deploy.get('status')}", "",
-              "| shape | dense ms | nmsparse ms | vs dense |", "|---|---|---|---|"]
+    lines += ["", "## deploy (deploy_speed.py --quick --graphs --dtype bf16)", "", f"status {deploy.get('status')}", "",
+              "| shape | dense ms | nmsparse ms | vs dense | dense, graphs ms | nmsparse, graphs ms | vs dense, graphs |",
+              "|---|---|---|---|---|---|---|"]
     for r in deploy.get("linear", []) + deploy.get("e2e", []):
         lines.append(f"| {r.get('shape') or r.get('case')} | {cell(r.get('dense'))} | {cell(r.get('nmsparse'))} | "
-                     f"{ratio(r.get('dense'), r.get('nmsparse')) or '-'} |")
+                     f"{ratio(r.get('dense'), r.get('nmsparse')) or '-'} | {cell(r.get('dense_graphs'))} | "
+                     f"{cell(r.get('nmsparse_graphs'))} | {ratio(r.get('dense_graphs'), r.get('nmsparse_graphs')) or '-'} |")
     lines += ["", "## targets (issue 21)", "", "| target | measured | status |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured'] if t['measured'] is not None else '-'} | {t['status']} |"
               for t in result["targets"]]
@@ -339,6 +372,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tests-s", type=float, default=240.0, help="budget of the gpu-marked tests (default 240)")
     parser.add_argument("--skip-risks", action="store_true")
+    parser.add_argument("--risks", default=None, help="comma-separated gpu_risks checks to run (default: all)")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-deploy", action="store_true")
     args = parser.parse_args(argv)
@@ -356,22 +390,25 @@ def main(argv=None) -> int:
     if not args.skip_risks:
         from gpu_risks import run_checks
 
-        result["risks"] = run_checks("cuda", left=lambda: clock.left() - 300)
+        result["risks"] = run_checks("cuda", left=lambda: clock.left() - 0.6 * args.budget_s,
+                                     only=args.risks.split(",") if args.risks else None)
         for r in result["risks"]:
             print(f"  risk {r['check']} {r['case']}: {r['status']} {r['detail']}", flush=True)
     if not args.skip_tests:
         result["tests"] = gpu_tests(clock, args.tests_s)
         print(f"gpu tests: {result['tests']['status']}", flush=True)
-    stage(result, "train_mlp", lambda: mlp_rows([TARGET], lambda r: ("cusparselt", "auto"), clock, args.reps, args.warmup))
-    stage(result, "train_gpt2", lambda: gpt2_rows(clock, max(5, args.reps // 2), 3))
     if not args.skip_deploy:
         deploy_json = Path(args.out_dir) / "deploy_quick.json"
         deploy_json.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, str(HERE / "deploy_speed.py"), "--quick", "--dtype", "bf16", "--out", str(deploy_json)]
+        cmd = [sys.executable, str(HERE / "deploy_speed.py"), "--quick", "--graphs", "--dtype", "bf16", "--out", str(deploy_json)]
         result["deploy"] = run(cmd, timeout=min(150, clock.left() - 20))
+        print("\n".join(result["deploy"]["tail"][-14:]), flush=True)
         if deploy_json.exists() and result["deploy"]["status"] == 0:
             result["deploy"].update({k: v for k, v in json.loads(deploy_json.read_text()).items() if k in ("linear", "e2e")})
         print(f"deploy: {result['deploy']['status']}", flush=True)
+    stage(result, "train_mlp", lambda: mlp_rows([TARGET], lambda r: ("cusparselt", "auto"), clock, args.reps, args.warmup,
+                                                graphs=True))
+    stage(result, "train_gpt2", lambda: gpt2_rows(clock, max(5, args.reps // 2), 3, graphs=True))
     if clock.left() > 60:
         stage(result, "train_mlp", lambda: mlp_rows(OTHER_RECIPES, lambda r: ("cusparselt",), clock, args.reps, args.warmup))
     result["targets"] = targets(result)

@@ -105,7 +105,6 @@ def gemm_rows() -> list[dict]:
         row["dense_graph_tflops"] = round(flops / row.get("dense_graph", float("nan")) / 1e9, 1)
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-        del values
         torch.cuda.empty_cache()
     return rows
 

@@ -13,8 +13,11 @@ the ops accept and read as meant; these checks ask the GPU itself:
   per forward): the syncs one compiled step makes, and whether ``mode="reduce-overhead"`` trains;
 - ``silent_pruning``: one training step of each recipe with cuSPARSELt against the reference kernel
   (which refuses an operand that is not 2:4, where cuSPARSELt would prune it silently);
-- ``post_grad_passes``: a user's own post-grad pass next to nmcompile's cache-key pass, which
-  makes ``post_grad_custom_post_pass`` a list (accepted by torch 2.13; the GPU machines run 2.11).
+- ``post_grad_passes``: a user's own post-grad pass next to nmcompile's cache-key pass (one
+  chained pass: torch 2.11, on the GPU machines, calls the setting; only 2.13 takes a list);
+- ``fp16``: cuSPARSELt in fp16 at the deploy test's shape, the product with algorithm 0 and with the
+  searched one, each in a fresh process (an "illegal instruction"
+  stopped the GPU there with cuSPARSELt 0.8.0 on sm90, and it poisons the process's CUDA context).
 
 Each check returns rows ``{"check", "case", "status", "detail"}``; status is ``ok``, ``failed`` (with
 the error or the mismatch) or ``skipped`` (with why). On a CPU every check that needs CUDA says so;
@@ -223,15 +226,66 @@ def post_grad_passes(device) -> list[dict]:
     return [row("post_grad_passes", case, status, f"the user's pass ran {Counting.calls} times")]
 
 
+FP16_STEPS = """
+import sys, torch
+from nmcompile.masks import prune
+step, rows, cols, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+w = prune(torch.randn(rows, cols, device="cuda"), 2, 4, 1).half()
+x = torch.randn(tokens, cols, device="cuda").half()
+values = torch._cslt_compress(w)
+alg = 0
+if step in ("search", "searched"):
+    alg = int(torch._cslt_sparse_mm_search(values, x.t(), transpose_result=True))
+if step != "compress" and step != "search":
+    out = torch._cslt_sparse_mm(values, x.t(), transpose_result=True, alg_id=alg)
+    err = (out.float() - torch.nn.functional.linear(x.float(), w.float())).abs().max().item()
+    torch.cuda.synchronize()
+    print(f"alg_id {alg}, max error {err:.3g}")
+else:
+    torch.cuda.synchronize()
+    print(f"alg_id {alg}" if step == "search" else "compressed")
+"""
+
+
+def fp16(device) -> list[dict]:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.device(device).type != "cuda":
+        return [row("fp16", "cuSPARSELt fp16 steps", "skipped", "needs CUDA")]
+    root = str(Path(__file__).resolve().parents[1])
+    rows = []
+    for shape in ((4096, 1024, 4096),):  # the small shapes of the kernel tests ran in fp16
+        for step in ("alg0", "searched"):
+            case = f"{step} {shape[0]}x{shape[1]}, {shape[2]} tokens"
+            try:
+                done = subprocess.run([sys.executable, "-c", FP16_STEPS, step, *map(str, shape)], capture_output=True,
+                                      text=True, timeout=60, cwd=root, env={**__import__("os").environ, "PYTHONPATH": root})
+                lines = (done.stdout + done.stderr).strip().splitlines()
+                error = [line for line in lines if "Error" in line]
+                rows.append(row("fp16", case, "ok" if done.returncode == 0 else "failed",
+                                (lines[-1] if done.returncode == 0 else (error or lines or [""])[-1])[:200]))
+            except subprocess.TimeoutExpired:
+                rows.append(row("fp16", case, "failed", "timed out after 60 s"))
+    return rows
+
+
 CHECKS = {"alg_id": alg_id, "sm90_shapes": sm90_shapes, "cuda_graph": cuda_graph, "step_gate": step_gate,
-          "silent_pruning": silent_pruning, "post_grad_passes": post_grad_passes}
+          "silent_pruning": silent_pruning, "post_grad_passes": post_grad_passes, "fp16": fp16}
 
 
-def run_checks(device, left=lambda: float("inf"), needs: float = 20.0) -> list[dict]:
-    """Every check in :data:`CHECKS`, in order, while ``left()`` seconds remain (``needs`` per check);
-    an exception is a failed row, and the next check runs."""
+def run_checks(device, left=lambda: float("inf"), needs: float = 20.0, only=None) -> list[dict]:
+    """Every check in :data:`CHECKS` (or those named in ``only``), in order, while ``left()`` seconds
+    remain (``needs`` per check); an exception is a failed row, and the next check runs."""
+    unknown = set(only or ()) - set(CHECKS)
+    if unknown:
+        raise ValueError(f"unknown gpu_risks checks {sorted(unknown)}; known: {', '.join(CHECKS)}")
     rows = []
     for name, check in CHECKS.items():
+        if only is not None and name not in only:
+            continue
         if left() < needs:
             rows.append(row(name, "all", "skipped", "time budget"))
             continue

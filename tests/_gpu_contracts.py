@@ -136,6 +136,7 @@ class Emulator:
     capability: tuple[int, int] = (9, 0)
     faster_from: int = 0  # the fake timer: the sparse kernel is faster from this many tokens on
     calls: list[Call] = field(default_factory=list)
+    graph_timings: list[bool] = field(default_factory=list)  # the timer's graphs= argument, per call
 
     def names(self) -> list[str]:
         return [c.op for c in self.calls]
@@ -260,7 +261,8 @@ class Emulator:
 
     # ---- nmcompile's device rules and timer, with the CPU as the GPU
 
-    def time(self, fn, reps: int = 20) -> float:
+    def time(self, fn, reps: int = 20, graphs: bool = False) -> float:
+        self.graph_timings.append(graphs)  # whether the compile asked for GPU time under CUDA graphs
         before = len(self.calls)
         fn()
         sparse = [c for c in self.calls[before:] if c.op in ("cslt_sparse_mm", "sparse_semi_structured_mm",

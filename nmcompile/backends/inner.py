@@ -56,6 +56,12 @@ class Inner:
     patches: dict = field(default_factory=dict)
     projections: str = "auto"
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether Inductor runs the graph under CUDA graphs (``mode="reduce-overhead"``), where the
+        kernels' host work is not paid per call: the kernel decisions then time GPU work alone."""
+        return self.name == "inductor" and bool(self.patches.get("triton.cudagraphs", False))
+
     def shared_projections(self, gm: fx.GraphModule, example_inputs):
         """Which projections call a shared kernel: a predicate on their signatures, or None."""
         if self.name != "inductor" or self.projections == "inline":

@@ -162,7 +162,8 @@ class _CompiledNM:
                 )
             node = nodes[target.node.name]
             targets.append(dataclasses.replace(target, node=node, recipe=ann.recipe, frame=frame))
-        ctx = run_passes(work, REWRITE_PASSES, PassContext(targets=targets, train_kernel=self.train_kernel))
+        ctx = PassContext(targets=targets, train_kernel=self.train_kernel, cuda_graphs=self.inner.cuda_graphs)
+        ctx = run_passes(work, REWRITE_PASSES, ctx)
         self.kernels[self.key(anns, frames)] = tuple(ctx.train_kernels.get(t.fqn) for t in targets)
         key = repr(self.key(anns, frames))
         return self.inner.compile(work, list(example_inputs), key, ctx.extra_outputs)
@@ -273,7 +274,8 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
         raise ValueError(f"nmsparse option deploy_kernel={deploy_kernel!r} is not one of {', '.join(DEPLOY_KERNELS)}")
     plan, inner, train_kernel = parse_options(options, mode)
     ctx = PassContext(
-        options_plan=plan, env_plan=Plan.from_env(), deploy_kernel=deploy_kernel, train_kernel=train_kernel
+        options_plan=plan, env_plan=Plan.from_env(), deploy_kernel=deploy_kernel, train_kernel=train_kernel,
+        cuda_graphs=inner.cuda_graphs,
     )
     work = _copy(gm)
     base = _copy(gm)

@@ -32,6 +32,9 @@ CUSPARSELT_MIN_CAPABILITY = (8, 0)
 #: the sparse kernel must beat dense by this factor to be chosen
 MARGIN = 1.02
 CUSPARSELT_DTYPES = (torch.float16, torch.bfloat16)
+#: cuSPARSELt 0.8.0 (torch 2.11's CUDA 13 wheels) stopped an H100 and an H200 with "an illegal
+#: instruction" in fp16 (bf16 ran): fp16 takes the dense GEMM on sm90 below this version
+CUSPARSELT_SM90_FP16_MIN_VERSION = 801
 
 
 @dataclass(frozen=True)
@@ -107,14 +110,15 @@ def qualify(
 
 def kernel_unavailable(
     kernel: str, device_type: str, dtype: torch.dtype, *, cusparselt_available: bool | None = None,
-    capability: tuple[int, int] | None = None,
+    capability: tuple[int, int] | None = None, cusparselt_version: int | None = None,
 ) -> str | None:
     """Why the GPU 2:4 ``kernel`` (``cusparselt`` or ``cutlass``) cannot run here, or None if it can.
 
     The rules that need no timing, shared by the deploy and the training decisions: CUDA device,
     the kernel in the build and on the GPU generation (cuSPARSELt: compute capability 8.0 or newer;
-    PyTorch's CUTLASS 2:4 kernels are compiled for 8.x only), fp16/bf16. ``cusparselt_available`` and
-    ``capability`` default to the running build and GPU; tests pass them.
+    PyTorch's CUTLASS 2:4 kernels are compiled for 8.x only), fp16/bf16 (not fp16 on sm90 with
+    cuSPARSELt 0.8.0). ``cusparselt_available``, ``capability`` and ``cusparselt_version`` default to the
+    running build and GPU; tests pass them.
     """
     if device_type != "cuda":
         return f"no 2:4 kernel on {device_type} ({'cuSPARSELt' if kernel == 'cusparselt' else 'CUTLASS 2:4'} is CUDA only)"
@@ -142,6 +146,14 @@ def kernel_unavailable(
             )
     if dtype not in CUSPARSELT_DTYPES:
         return f"{dtype} has no {kernel} 2:4 kernel here; cast the model to fp16 or bf16 (model.half()) or train under autocast"
+    if kernel == "cusparselt" and dtype == torch.float16 and tuple(capability)[0] == 9:
+        version = cusparselt_version if cusparselt_version is not None else torch.backends.cusparselt.version()
+        if version is not None and version < CUSPARSELT_SM90_FP16_MIN_VERSION:
+            return (
+                f"cuSPARSELt {version // 1000}.{version // 100 % 10}.{version % 100} stopped sm90 GPUs with an illegal "
+                "instruction in fp16 (measured on an H100 and an H200); use bf16 (model.bfloat16()) or a torch "
+                "build with cuSPARSELt 0.8.1 or newer"
+            )
     return None
 
 
@@ -167,11 +179,22 @@ def _refuse(requested: str, why: str) -> Decision:
     return Decision("dense", why)
 
 
-def time_cuda(fn, reps: int = 20) -> float:
-    """Median milliseconds of ``fn`` on the current CUDA stream (CUDA events, 3 warm-up calls)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def time_cuda(fn, reps: int = 20, graphs: bool = False) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA stream (CUDA events, 3 warm-up calls).
+
+    ``graphs=False``: each call bracketed by events, its host work included (how a graph without
+    CUDA graphs runs it: cuSPARSELt builds a plan on the host at every call, about 0.4 ms with
+    torch 2.11 on an H100/H200, more than many of its GEMMs take on the GPU). ``graphs=True``: the
+    calls captured in one CUDA graph and replayed, GPU time alone (what ``mode="reduce-overhead"``
+    runs); where capture fails, the events time it as above."""
     for _ in range(3):
         fn()
+    if graphs:
+        try:
+            return _graph_ms(fn, reps)
+        except RuntimeError:
+            torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         start.record()
@@ -182,8 +205,36 @@ def time_cuda(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(decision: Decision, weight, bias, values, tokens: int | None, in_features: int) -> Decision:
+def _graph_ms(fn, reps: int, calls: int = 10) -> float:
+    """GPU milliseconds per call of ``fn``: ``calls`` calls in one CUDA graph, median of ``reps // 4`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # capture needs the warm-up on a side stream
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(max(reps // 4, 3)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(
+    decision: Decision, weight, bias, values, tokens: int | None, in_features: int, graphs: bool = False
+) -> Decision:
     """Time dense vs cuSPARSELt on this layer; keep sparse only where it is faster (CUDA only).
+
+    ``graphs``: the compile runs under CUDA graphs (``mode="reduce-overhead"``), so GPU time decides;
+    otherwise each call's host work counts too (see :func:`time_cuda`).
 
     ``tokens``: the layer's static token count, or None (dynamic: the :data:`TOKEN_LADDER`). Each
     count is timed as the op runs it (padded to a multiple of 8 where it is not one), with the algorithm
@@ -205,13 +256,16 @@ def measure(decision: Decision, weight, bias, values, tokens: int | None, in_fea
         alg_id = int(torch._cslt_sparse_mm_search(values, padded.t(), bias=b, transpose_result=True))
         for count in ladder:
             x = torch.randn(count, in_features, device=w.device, dtype=w.dtype)
-            dense = time_cuda(lambda: F.linear(x, w, b))
-            sparse = time_cuda(lambda: sparse_linear(x, w, values, values.new_empty(0, dtype=torch.int16), b, "cusparselt", alg_id, 0))
+            empty = values.new_empty(0, dtype=torch.int16)
+            dense = time_cuda(lambda: F.linear(x, w, b), graphs=graphs)
+            sparse = time_cuda(lambda: sparse_linear(x, w, values, empty, b, "cusparselt", alg_id, 0), graphs=graphs)
             faster.append(dense > MARGIN * sparse)
             speedup = dense / sparse
+    how = "GPU time under CUDA graphs" if graphs else "per call, host work included; mode='reduce-overhead' times GPU alone"
     if not faster[-1]:  # slower (or within the margin) at the largest token count: never worth it
-        return Decision("dense", f"cuSPARSELt measured {speedup:.2f}x of dense at {ladder[-1]} tokens", speedup=speedup)
-    return Decision("cusparselt", decision.reason, alg_id=alg_id, min_tokens=break_even(ladder, faster), speedup=speedup)
+        return Decision("dense", f"cuSPARSELt measured {speedup:.2f}x of dense at {ladder[-1]} tokens ({how})", speedup=speedup)
+    reason = f"{decision.reason}; timed {how.split(';')[0]}"
+    return Decision("cusparselt", reason, alg_id=alg_id, min_tokens=break_even(ladder, faster), speedup=speedup)
 
 
 def break_even(ladder, faster) -> int:

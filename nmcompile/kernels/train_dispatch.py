@@ -105,9 +105,13 @@ def decide(
     return Decision(kernel, reason)
 
 
-def measure(decision: Decision, role: str, *, rows: int, cols: int, n: int, dtype, device, permuted: bool = False) -> Decision:
+def measure(
+    decision: Decision, role: str, *, rows: int, cols: int, n: int, dtype, device, permuted: bool = False,
+    graphs: bool = False,
+) -> Decision:
     """Time the ``role`` GEMM as the training op runs it, sparse (compressing the operand at every
     call) against dense, on random operands of the layer's shapes; keep sparse only where faster.
+    ``graphs``: GPU time under CUDA graphs (``mode="reduce-overhead"``), else each call's host work too.
 
     Only for cuSPARSELt/CUTLASS decisions on CUDA; others are returned unchanged.
     """
@@ -136,7 +140,7 @@ def measure(decision: Decision, role: str, *, rows: int, cols: int, n: int, dtyp
             x = torch.randn(n, cols, dtype=dtype, device=device)
             dense = lambda: torch.nn.functional.linear(x, a)  # noqa: E731
             sparse = lambda: sparse24_mm(a, x.t(), None, kernel, True, role)  # noqa: E731
-        dense_ms, sparse_ms = time_cuda(dense), time_cuda(sparse)
+        dense_ms, sparse_ms = time_cuda(dense, graphs=graphs), time_cuda(sparse, graphs=graphs)
     speedup = dense_ms / sparse_ms
     if dense_ms > MARGIN * sparse_ms:
         return Decision(kernel, decision.reason, speedup=speedup)

@@ -55,6 +55,7 @@ class PassContext:
     extra_outputs: int = 0  # graph outputs appended after Dynamo's (saved DGRAD weights), dropped at run time
     # deploy: finalized weights and the kernel each gets
     deploy_kernel: str = "auto"  # auto, dense, cusparselt or reference
+    cuda_graphs: bool = False  # the compile runs under CUDA graphs: the GPU kernels are timed by GPU time alone
     deployed: list[DeployTarget] = field(default_factory=list)
     # fqn -> (values, meta): each sparse weight compressed by the deploy rewrite (extra graph inputs)
     compressed: dict[str, tuple] = field(default_factory=dict)

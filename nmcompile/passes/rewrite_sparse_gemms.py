@@ -55,7 +55,7 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
             if decision.kernel == "cpu24":
                 decision = measure_cpu(decision, weight, target.bias, static)
             else:
-                decision = measure(decision, weight, target.bias, values, static, weight.shape[1])
+                decision = measure(decision, weight, target.bias, values, static, weight.shape[1], ctx.cuda_graphs)
             ctx.deployed[i] = type(target)(**{**target.__dict__, "decision": decision})
             if not decision.sparse:
                 continue
@@ -64,6 +64,9 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
         for part, example in (("values", values), ("meta", meta)):
             last = _graph.add_input(graph, last, f"nm_{part}_{i}")
             last.meta["example_value"] = fake_mode.from_tensor(example)
+            # the same tensor at every call: CUDA graphs (mode="reduce-overhead") read it in place
+            # rather than copying the compressed weight into the graph's memory at each replay
+            last.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
             inputs.append(last)
         ctx.compressed[target.fqn] = (values, meta)
         w_node = target.node

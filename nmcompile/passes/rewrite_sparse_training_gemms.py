@@ -118,7 +118,7 @@ def _decide(ctx: PassContext, target, gemms, timed: dict) -> TrainKernels:
             key = (decision, role, rows, cols, n, dtype, str(value.device), permuted)
             if key not in timed:
                 timed[key] = measure(decision, role, rows=rows, cols=cols, n=n, dtype=dtype, device=value.device,
-                                     permuted=permuted)
+                                     permuted=permuted, graphs=ctx.cuda_graphs)
             decision = timed[key]
         decisions[role] = decision
     return TrainKernels(**decisions)

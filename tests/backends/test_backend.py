@@ -239,6 +239,14 @@ def test_options_pass_inductor_settings_and_mode_through():
         parse_options({"projections": "fused"}, None)
     with pytest.raises(ValueError, match="need a 'recipe'"):
         parse_options({"include": ["fc1"]}, None)
+    # torch.compile refuses mode= beside options=: the mode can come as an option
+    _, inner, train_kernel = parse_options({"mode": "reduce-overhead", "train_kernel": "dense"}, None)
+    assert inner.patches.get("triton.cudagraphs") is True and inner.cuda_graphs and train_kernel == "dense"
+    assert not parse_options({}, None)[1].cuda_graphs and not parse_options({}, "max-autotune-no-cudagraphs")[1].cuda_graphs
+    with pytest.raises(ValueError, match="mode='fast' is not one of"):
+        parse_options({"mode": "fast"}, None)
+    with pytest.raises(ValueError, match="give the mode once"):
+        parse_options({"mode": "reduce-overhead"}, "max-autotune")
 
 
 def test_bad_recipe_in_options_is_a_value_error():

@@ -11,7 +11,7 @@ from torch import nn
 import nmcompile
 from nmcompile.backends.deploy_runner import DeployRunner
 from nmcompile.kernels import cpu24
-from nmcompile.kernels.dispatch import qualify
+from nmcompile.kernels.dispatch import kernel_unavailable, qualify
 from nmcompile.kernels.inductor import CacheKeyPass, with_cache_key
 from nmcompile.backends.nmsparse import nmsparse_backend
 from nmcompile.deploy.finalize import deployed_of
@@ -72,6 +72,10 @@ def test_reference_kernel_rewrites_each_qualifying_linear_and_keeps_the_function
     calls = sparse_calls(runners[0])
     assert len(calls) == 2  # 0 and 2; 4 is [10, 32]
     assert all(call.args[5] == "reference" for call in calls)
+    # the compressed weights are graph inputs that never move: marked static, so that CUDA graphs
+    # (mode="reduce-overhead") read them in place instead of copying them in at every replay
+    packed = [call.args[2] for call in calls] + [call.args[3] for call in calls]
+    assert all(n.op == "placeholder" and n.meta["tensor_dict"]["_dynamo_static_input_type"] for n in packed)
     report = nmcompile.deploy_report(model)
     assert [report[n].kernel for n in ("0.weight", "2.weight", "4.weight")] == ["reference", "reference", "dense"]
 
@@ -178,6 +182,15 @@ def test_cusparselt_rewrite_on_cuda(dtype):
     nmcompile.finalize(model)
     model = model.to("cuda", dtype).eval()
     x = torch.randn(4096, 1024, device="cuda", dtype=dtype)
+    why = kernel_unavailable("cusparselt", "cuda", dtype)
+    if why is not None:  # fp16 on sm90 with cuSPARSELt 0.8.0: refused by name, never run
+        with pytest.raises(Exception, match="deploy_kernel='cusparselt' cannot be used: cuSPARSELt 0.8.0"):
+            torch.compile(model, backend="nmsparse", options={"deploy_kernel": "cusparselt"})(x)
+        torch.compiler.reset()
+        with torch.no_grad():  # auto takes the dense GEMM and says why
+            torch.compile(model, backend="nmsparse")(x)
+        assert all(d.kernel == "dense" and why in d.reason for d in nmcompile.deploy_report(model).values())
+        return
     with torch.no_grad():
         out = torch.compile(model, backend="nmsparse", options={"deploy_kernel": "cusparselt"})(x)
         torch.testing.assert_close(out, model(x), atol=2e-2, rtol=2e-2)

@@ -234,6 +234,23 @@ def test_an_unchecked_pack_keeps_the_shape_check_and_the_first_two_non_zeros():
         nmcompile.pack(torch.zeros(2, 8), check=False)
 
 
+# ---- cuSPARSELt 0.8.0 on sm90: fp16 stopped the GPU (illegal instruction) on an H100 and an H200
+
+
+@pytest.mark.parametrize("capability,version,refused", [
+    ((9, 0), 800, True), ((9, 0), 801, False), ((9, 0), None, False), ((8, 0), 800, False), ((10, 0), 800, False)])
+def test_fp16_cusparselt_on_sm90_needs_cusparselt_0_8_1(capability, version, refused):
+    FP16 = torch.float16
+    why = kernel_unavailable("cusparselt", "cuda", FP16, cusparselt_available=True, capability=capability,
+                             cusparselt_version=version)
+    assert (why is not None) == refused, why
+    if refused:
+        assert "cuSPARSELt 0.8.0" in why and "illegal instruction" in why and "bf16" in why
+    # bf16 is not affected
+    assert kernel_unavailable("cusparselt", "cuda", BF16, cusparselt_available=True, capability=capability,
+                              cusparselt_version=version) is None
+
+
 # ---- finding 6: compute capability
 
 
