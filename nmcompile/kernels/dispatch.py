@@ -20,7 +20,7 @@ import torch
 
 from .. import masks
 
-__all__ = ["Decision", "qualify", "measure", "kernel_unavailable", "time_cuda", "DECISION_ATTR", "MARGIN"]
+__all__ = ["Decision", "qualify", "measure", "kernel_unavailable", "search_unsafe", "time_cuda", "DECISION_ATTR", "MARGIN"]
 
 DECISION_ATTR = "_nmcompile_kernel"
 #: token counts tried when the graph's token count is dynamic: multiples of 8, the only dense dims
@@ -32,9 +32,10 @@ CUSPARSELT_MIN_CAPABILITY = (8, 0)
 #: the sparse kernel must beat dense by this factor to be chosen
 MARGIN = 1.02
 CUSPARSELT_DTYPES = (torch.float16, torch.bfloat16)
-#: cuSPARSELt 0.8.0 (torch 2.11's CUDA 13 wheels) stopped an H100 and an H200 with "an illegal
-#: instruction" in fp16 (bf16 ran): fp16 takes the dense GEMM on sm90 below this version
-CUSPARSELT_SM90_FP16_MIN_VERSION = 801
+#: cuSPARSELt 0.8.0 (torch 2.11's CUDA 13 wheels) on sm90, fp16: its algorithm search stopped an H100
+#: and an H200 ("an illegal instruction", then "internal error when calling cusparseLtMatmulSearch"),
+#: where the product with algorithm 0 ran right; below this version fp16 on sm90 is not searched
+CUSPARSELT_SM90_FP16_SEARCH_VERSION = 801
 
 
 @dataclass(frozen=True)
@@ -110,15 +111,14 @@ def qualify(
 
 def kernel_unavailable(
     kernel: str, device_type: str, dtype: torch.dtype, *, cusparselt_available: bool | None = None,
-    capability: tuple[int, int] | None = None, cusparselt_version: int | None = None,
+    capability: tuple[int, int] | None = None,
 ) -> str | None:
     """Why the GPU 2:4 ``kernel`` (``cusparselt`` or ``cutlass``) cannot run here, or None if it can.
 
     The rules that need no timing, shared by the deploy and the training decisions: CUDA device,
     the kernel in the build and on the GPU generation (cuSPARSELt: compute capability 8.0 or newer;
-    PyTorch's CUTLASS 2:4 kernels are compiled for 8.x only), fp16/bf16 (not fp16 on sm90 with
-    cuSPARSELt 0.8.0). ``cusparselt_available``, ``capability`` and ``cusparselt_version`` default to the
-    running build and GPU; tests pass them.
+    PyTorch's CUTLASS 2:4 kernels are compiled for 8.x only), fp16/bf16. ``cusparselt_available`` and
+    ``capability`` default to the running build and GPU; tests pass them.
     """
     if device_type != "cuda":
         return f"no 2:4 kernel on {device_type} ({'cuSPARSELt' if kernel == 'cusparselt' else 'CUTLASS 2:4'} is CUDA only)"
@@ -146,15 +146,21 @@ def kernel_unavailable(
             )
     if dtype not in CUSPARSELT_DTYPES:
         return f"{dtype} has no {kernel} 2:4 kernel here; cast the model to fp16 or bf16 (model.half()) or train under autocast"
-    if kernel == "cusparselt" and dtype == torch.float16 and tuple(capability)[0] == 9:
-        version = cusparselt_version if cusparselt_version is not None else torch.backends.cusparselt.version()
-        if version is not None and version < CUSPARSELT_SM90_FP16_MIN_VERSION:
-            return (
-                f"cuSPARSELt {version // 1000}.{version // 100 % 10}.{version % 100} stopped sm90 GPUs with an illegal "
-                "instruction in fp16 (measured on an H100 and an H200); use bf16 (model.bfloat16()) or a torch "
-                "build with cuSPARSELt 0.8.1 or newer"
-            )
     return None
+
+
+def search_unsafe(dtype: torch.dtype, capability=None, version: int | None = None) -> str | None:
+    """Why cuSPARSELt's algorithm search must not run for ``dtype`` here (the product then takes
+    algorithm 0), or None. ``capability`` and ``version`` default to the current GPU and the build's
+    cuSPARSELt; tests pass them."""
+    if dtype != torch.float16:
+        return None
+    capability = tuple(capability or torch.cuda.get_device_capability())
+    version = version if version is not None else torch.backends.cusparselt.version()
+    if capability[0] != 9 or version is None or version >= CUSPARSELT_SM90_FP16_SEARCH_VERSION:
+        return None
+    return (f"algorithm 0, not searched: cuSPARSELt {version // 1000}.{version // 100 % 10}.{version % 100}'s search "
+            "failed in fp16 on sm90 (an H100 and an H200), the product with algorithm 0 ran right")
 
 
 def _qualify_cpu(weight: torch.Tensor, requested: str) -> Decision:
@@ -253,7 +259,8 @@ def measure(
         # searched at the largest count as the kernel runs it (padded to cuSPARSELt's multiple), then
         # every count is timed with that algorithm, the one it will run with
         padded = torch.randn(padded_tokens(ladder[-1]), in_features, device=w.device, dtype=w.dtype)
-        alg_id = int(torch._cslt_sparse_mm_search(values, padded.t(), bias=b, transpose_result=True))
+        unsafe = search_unsafe(w.dtype, torch.cuda.get_device_capability(w.device))
+        alg_id = 0 if unsafe else int(torch._cslt_sparse_mm_search(values, padded.t(), bias=b, transpose_result=True))
         for count in ladder:
             x = torch.randn(count, in_features, device=w.device, dtype=w.dtype)
             empty = values.new_empty(0, dtype=torch.int16)
@@ -264,7 +271,7 @@ def measure(
     how = "GPU time under CUDA graphs" if graphs else "per call, host work included; mode='reduce-overhead' times GPU alone"
     if not faster[-1]:  # slower (or within the margin) at the largest token count: never worth it
         return Decision("dense", f"cuSPARSELt measured {speedup:.2f}x of dense at {ladder[-1]} tokens ({how})", speedup=speedup)
-    reason = f"{decision.reason}; timed {how.split(';')[0]}"
+    reason = f"{decision.reason}; timed {how.split(';')[0]}" + (f"; {unsafe}" if unsafe else "")
     return Decision("cusparselt", reason, alg_id=alg_id, min_tokens=break_even(ladder, faster), speedup=speedup)
 
 

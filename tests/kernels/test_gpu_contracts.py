@@ -7,6 +7,8 @@ nmcompile's ops: token counts off the multiple of 8, non-contiguous inputs, auto
 reduction dim, the host sync of a checked pack, the compute-capability rule.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,10 +101,10 @@ def test_the_patches_end_with_the_block():
 # ---- finding 1: token counts that are not a multiple of 8
 
 
-def _deploy_operands(out_f=64, in_f=64):
-    w = pruned(out_f, in_f)
+def _deploy_operands(dtype=BF16, out_f=64, in_f=64):
+    w = pruned(out_f, in_f).to(dtype)
     values, meta = compress(w, "cusparselt")
-    return w, values, meta, torch.randn(out_f).to(BF16)
+    return w, values, meta, torch.randn(out_f).to(dtype)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (197, 64), (65, 64), (3, 7, 64)])
@@ -234,21 +236,34 @@ def test_an_unchecked_pack_keeps_the_shape_check_and_the_first_two_non_zeros():
         nmcompile.pack(torch.zeros(2, 8), check=False)
 
 
-# ---- cuSPARSELt 0.8.0 on sm90: fp16 stopped the GPU (illegal instruction) on an H100 and an H200
+# ---- cuSPARSELt 0.8.0 on sm90: its fp16 search stopped the GPU (an H100 and an H200); algorithm 0 ran right
 
 
-@pytest.mark.parametrize("capability,version,refused", [
-    ((9, 0), 800, True), ((9, 0), 801, False), ((9, 0), None, False), ((8, 0), 800, False), ((10, 0), 800, False)])
-def test_fp16_cusparselt_on_sm90_needs_cusparselt_0_8_1(capability, version, refused):
-    FP16 = torch.float16
-    why = kernel_unavailable("cusparselt", "cuda", FP16, cusparselt_available=True, capability=capability,
-                             cusparselt_version=version)
-    assert (why is not None) == refused, why
-    if refused:
-        assert "cuSPARSELt 0.8.0" in why and "illegal instruction" in why and "bf16" in why
-    # bf16 is not affected
-    assert kernel_unavailable("cusparselt", "cuda", BF16, cusparselt_available=True, capability=capability,
-                              cusparselt_version=version) is None
+@pytest.mark.parametrize("dtype,capability,version,unsafe", [
+    (torch.float16, (9, 0), 800, True), (torch.float16, (9, 0), 801, False), (torch.float16, (9, 0), None, False),
+    (torch.float16, (8, 0), 800, False), (torch.float16, (10, 0), 800, False), (BF16, (9, 0), 800, False)])
+def test_fp16_on_sm90_with_cusparselt_0_8_0_takes_algorithm_0_unsearched(dtype, capability, version, unsafe):
+    from nmcompile.kernels.dispatch import search_unsafe
+
+    why = search_unsafe(dtype, capability, version)
+    assert (why is not None) == unsafe, why
+    if unsafe:
+        assert "cuSPARSELt 0.8.0's search failed in fp16 on sm90" in why and "algorithm 0" in why
+    # fp16 is still a cuSPARSELt dtype there: only the search is left out
+    assert kernel_unavailable("cusparselt", "cuda", dtype, cusparselt_available=True, capability=capability) is None
+
+
+def test_the_deploy_timing_skips_the_search_where_it_is_unsafe():
+    with emulated_gpu() as emu, mock.patch.object(torch.backends.cusparselt, "version", lambda: 800):
+        w, values, _, bias = _deploy_operands(torch.float16)
+        decision = dispatch.measure(qualify(w, "auto", device_type="cuda"), w, bias, values, 64, 64)
+        assert decision.kernel == "cusparselt" and decision.alg_id == 0, decision
+        assert "not searched" in decision.reason
+        assert "cslt_sparse_mm_search" not in emu.names() and "cslt_sparse_mm" in emu.names()
+        emu.calls.clear()
+        w, values, _, bias = _deploy_operands()  # bf16 is searched
+        dispatch.measure(qualify(w, "auto", device_type="cuda"), w, bias, values, 64, 64)
+        assert "cslt_sparse_mm_search" in emu.names()
 
 
 # ---- finding 6: compute capability
