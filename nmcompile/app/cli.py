@@ -92,7 +92,7 @@ def _prune(args) -> int:
         summary = prune_model(
             args.model, args.recipe, args.calibration, args.out, held_out=args.held_out, seq_len=args.seq_len,
             samples=args.samples, batch_size=args.batch, sequential=args.sequential, include=args.include,
-            exclude=args.exclude if args.exclude is not None else ["*lm_head*"], tokenizer=args.tokenizer,
+            exclude=args.exclude, tokenizer=args.tokenizer,
             inner=args.inner, progress=not args.quiet,
         )
     except (ImportError, ValueError, OSError, RuntimeError) as err:
@@ -173,8 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--sequential", action="store_true", help="calibrate each block on the outputs of the blocks "
                    "already pruned (one calibration pass per block; see docs/recipes.md)")
     p.add_argument("--include", action="append", metavar="GLOB", help="prune only these weights (repeatable)")
-    p.add_argument("--exclude", action="append", metavar="GLOB", help="leave these dense (repeatable; default "
-                   "'*lm_head*')")
+    p.add_argument("--exclude", action="append", metavar="GLOB", help="leave these dense (repeatable; output "
+                   "heads and MoE routers stay dense by default: see the README)")
     p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (for a .pt model)")
     p.add_argument("--inner", default="aot_eager", help="inner compiler for the calibration graph (default "
                    "aot_eager: no Inductor compile for a one-time run; 'inductor' for long calibrations)")

@@ -115,7 +115,7 @@ def _loss(model, windows, batch_size: int) -> float:
 
 def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, held_out: str | None = None,
                 seq_len: int = 128, samples: int | None = 128, batch_size: int = 8, sequential: bool = False,
-                include=None, exclude=("*lm_head*",), tokenizer: str | None = None, inner: str = "aot_eager",
+                include=None, exclude=None, tokenizer: str | None = None, inner: str = "aot_eager",
                 progress: bool = True) -> PruneSummary:
     """Prune ``model_path`` in one shot with ``recipe`` (``wanda`` or ``sparsegpt``); see the module doc."""
     from ..declare.annotate import annotate

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from .. import masks
 from ..ops import E4M3, E5M2, autocast_kernel, mvue_along, fake_fp8
-from .packed import CUTLASS_COLS, CUTLASS_ROWS, Packed24, cutlass_meta, pack, row_meta, unpack
+from .packed import CUTLASS_COLS, CUTLASS_ROWS, Packed24, cutlass_meta, pack, unpack
 
 __all__ = ["sparse24_mm", "sparse_train_linear", "KERNELS", "ALIGNMENT", "misaligned", "strided"]
 
