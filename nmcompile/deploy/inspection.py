@@ -74,6 +74,10 @@ def _state_message(problem: str, buffers: tuple[str, ...]) -> str:
     )
 
 
+_UNSOLVED = ("{recipe} is not solved yet (the weight stays dense while calibrating): run calibration batches "
+             "through the model compiled with backend='nmsparse', then nmcompile.finalize(model)")
+
+
 def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1, only=None) -> CheckReport:
     """N:M compliance per weight of a model (its effective weights) or a state dict.
 
@@ -101,7 +105,8 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1, only=Non
         problems: dict[str, str] = {}
         for name, ann, weight in _effective(obj, problems):
             if selects(report, name, only):
-                check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim, problems.get(name, ""))
+                problem = problems.get(name) or (_UNSOLVED.format(recipe=ann.recipe) if ann.recipe.calibrated else "")
+                check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim, problem)
         for name, places in owners(obj):
             _, module, pname = places[0]
             record = deployed_of(module, pname)

@@ -63,6 +63,16 @@ def test_no_calibration_is_a_named_error_and_changes_nothing(how):
     assert nmcompile.effective_weights(model).keys() == {"fc1.weight", "fc2.weight", "fc3.weight"}  # still declared
 
 
+def test_check_says_an_unsolved_one_shot_weight_needs_finalize():
+    model = calibrated("sparsegpt:2:4")
+    report = nmcompile.check(model)
+    assert not report.ok
+    for name in ("fc1.weight", "fc2.weight", "fc3.weight"):
+        assert "not solved yet" in report[name].problem and "nmcompile.finalize(model)" in report[name].problem
+    nmcompile.finalize(model)
+    assert nmcompile.check(model).ok  # solved: deployed 2:4, no problem left
+
+
 def test_a_weight_outside_the_graph_is_pruned_by_magnitude_and_named():
     model = calibrated(model=Net(eager_fc2=True))
     assert int(model.fc1.weight_nm_count) == 40 and int(model.fc2.weight_nm_count) == 0
