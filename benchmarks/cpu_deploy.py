@@ -20,8 +20,9 @@ same inputs, so they saw the same machine.
               eager and torch.compile'd (dense: inductor; 2:4: nmsparse), tokens/s in fp32 and bf16,
               and the resident bytes of the parameters
   aoti        an MLP (4096 -> 11008 -> 4096, fp32, packed-only 2:4) through torch.export and
-              AOTInductor, the package loaded in a fresh process: its time beside the same model
-              compiled with backend="nmsparse" and dense F.linear there, at 1 and 8 tokens
+              AOTInductor, the package loaded in a fresh process (its outputs and time there) and in
+              this one, timed interleaved with the same model compiled with backend="nmsparse", eager
+              and dense F.linear, at 1 and 8 tokens
 
     python benchmarks/cpu_deploy.py --out benchmarks/results/cpu_deploy.json
     python benchmarks/cpu_deploy.py --quick          # two shapes, three token counts, a 4-layer model
@@ -255,14 +256,23 @@ def aoti(tmp: str) -> dict:
                            capture_output=True, text=True, check=True)
     fresh = json.loads(child.stdout.strip().splitlines()[-1])
     compiled = torch.compile(model, backend="nmsparse", dynamic=True)
+    runner = torch._inductor.aoti_load_package(package)  # the same package, here: timed beside the compile
+    dense = torch.load(os.path.join(tmp, "dense.pt"))
+
+    def dense_mlp(x):
+        hidden = F.gelu(F.linear(x, dense["0.weight"], dense["0.bias"]))
+        return F.linear(hidden, dense["2.weight"], dense["2.bias"])
+
     here = {}
     with torch.no_grad():
         for count in (1, 8):
             x = torch.randn(count, 4096)
-            here[count] = interleaved({"nmsparse": lambda: compiled(x), "eager packed": lambda: model(x)})
+            here[count] = interleaved({"nmsparse": lambda: compiled(x), "eager packed": lambda: model(x),
+                                       "package": lambda: runner(x), "dense": lambda: dense_mlp(x)})
     return {"package_build_s": build_s,
             **{f"{count} tokens": {"fresh process dense ms": fresh[str(count)]["dense"], "fresh process aoti ms": fresh[str(count)]["aoti"],
-                                   "nmsparse compiled ms": here[count]["nmsparse"] * 1e3, "eager packed ms": here[count]["eager packed"] * 1e3}
+                                   "nmsparse compiled ms": here[count]["nmsparse"] * 1e3, "eager packed ms": here[count]["eager packed"] * 1e3,
+                                   "package ms": here[count]["package"] * 1e3, "dense ms": here[count]["dense"] * 1e3}
                for count in (1, 8)}}
 
 
@@ -307,11 +317,13 @@ def render(result: dict) -> str:
         a = result["aoti"]
         lines += ["", f"AOTInductor package of a packed-only 2:4 MLP (4096 -> 11008 -> 4096, fp32; export + package "
                   f"{a['package_build_s']:.0f} s), times in ms:", "",
-                  "| tokens | dense F.linear (fresh process) | package (fresh process) | nmsparse compiled | eager packed |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| tokens | dense F.linear (fresh process) | package (fresh process) | dense F.linear | package | "
+                  "nmsparse compiled | eager packed |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for count in (1, 8):
             r = a[f"{count} tokens"]
-            lines.append(f"| {count} | {r['fresh process dense ms']:.2f} | {r['fresh process aoti ms']:.2f} | "
+            here = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("dense ms", "package ms"))  # older files lack them
+            lines.append(f"| {count} | {r['fresh process dense ms']:.2f} | {r['fresh process aoti ms']:.2f} | {here} | "
                          f"{r['nmsparse compiled ms']:.2f} | {r['eager packed ms']:.2f} |")
     return "\n".join(lines)
 
