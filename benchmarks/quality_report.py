@@ -15,7 +15,7 @@ import os
 import torch
 
 LOWER_IS_BETTER = {"gpt": True, "mnist": False}
-REGIMES = ("scratch", "finetune", "long", "cosine")
+REGIMES = ("scratch", "finetune", "long", "cosine", "oneshot")
 # the yardstick for transposable masks: within 0.10 nats of SR-STE on the character GPT
 TRANSPOSABLE_GAP = {"gpt": 0.10}  # nats per character
 
@@ -312,7 +312,7 @@ def compare(rows: list[dict], other: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PATTERNS = ("", "2:4", "4:8", "1:8", "1:16", "1:32")
+PATTERNS = ("", "2:4", "4:8", "1:4", "1:8", "1:16", "1:32")
 
 
 def _pattern(name: str) -> str:
