@@ -180,9 +180,12 @@ def test_oneshot_rows_are_configured_and_rendered_with_their_verdicts():
     rows = [r for r in rows if not (r["name"] == "wanda 2:4" and r["seed"] == 2)]
     text = "\n".join(report.oneshot_finding(rows, report.summarize(rows)))
     assert "| 2:4 | magnitude | 3 | 1.6800 ± 0.0100 | 2.0800 ± 0.0100 | 1.8000 ± 0.0100 | 1.8100 ± 0.0100 |" in text
-    assert "- sparsegpt far better than magnitude (2:4, one-shot): **holds** (3 seeds)" in text
-    assert "- wanda far better than magnitude (2:4, one-shot): **holds** (2 seeds)" in text
-    assert "- Wanda close to SparseGPT (2:4, one-shot): **holds**: Wanda minus SparseGPT +0.0150" in text
-    assert "(2:4): spread of the 4 methods' means 0.3050 one-shot" in text and "**closed**" in text
+    assert "- sparsegpt far better than magnitude (2:4, one-shot): **holds** (3 seeds: 0, 1, 2)" in text
+    assert "- wanda far better than magnitude (2:4, one-shot): **holds** (2 seeds: 0, 1)" in text
+    assert "- Wanda close to SparseGPT (2:4, one-shot): **holds** (2 seeds: 0, 1): Wanda minus SparseGPT +0.0200" in text
+    # wanda lacks seed 2: the comparisons use seeds 0 and 1 only
+    assert ("(2:4, 4 methods, 2 seeds: 0, 1): spread of the means 0.3050 one-shot, 0.0000 after 100 steps "
+            "(within seed noise)") in text and "**closed (within seed noise) by 100 steps**" in text
+    assert "(2:4, 3 seeds: 0, 1, 2): sequential minus one-pass one-shot -0.0050" in text
     assert "for 2.0x the calibration + solve time: **no gain beyond seed noise**" in text
     assert "Rows with fewer than 3 seeds: wanda 2:4 (2: seeds 0, 1); magnitude 4:8 (0 seeds)" in text
