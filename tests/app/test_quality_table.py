@@ -163,3 +163,29 @@ def test_head_verdict_and_the_order_under_each_schedule():
     assert "| step 2:4 | 1.7510 ± 0.0010 (n=3) | 1.6610 ± 0.0010 (n=3) | -0.0900 |" in schedule
     assert "the order changes (STEP ahead under the schedule)" in schedule
     assert report.schedule_finding(report.summarize(rows[:9]))[-1].startswith("No row of the cosine regime")
+
+
+def test_oneshot_rows_are_configured_and_rendered_with_their_verdicts():
+    gpt = quality.configs(["gpt"], [0])
+    oneshot = [c for c in gpt if c.regime == "oneshot"]
+    assert [c.name for c in oneshot[:4]] == ["magnitude 2:4", "wanda 2:4", "sparsegpt 2:4", "sparsegpt_seq 2:4"]
+    assert len(oneshot) == 12 and {c.steps for c in oneshot} == {600}
+    assert {c.name: c.spec for c in oneshot}["magnitude 1:4"] == "asp:1:4,permute=0"
+    assert not any(c.regime == "oneshot" for c in quality.configs(["mnist"], [0]))
+    rises = {"magnitude": 0.40, "wanda": 0.12, "sparsegpt": 0.10, "sparsegpt_seq": 0.095}
+    rows = [dict(row("gpt", f"{m} 2:4", s, 1.80 + s / 100, regime="oneshot"), start_eval=1.67 + s / 100,
+                 oneshot_eval=1.67 + rise + s / 100, eval_100=1.79 + s / 100, eval_600=1.80 + s / 100,
+                 calib_seconds=1.0 if m == "sparsegpt" else 2.0, calibration="128 train sequences x 64 characters")
+            for m, rise in rises.items() for s in range(3)]
+    rows = [r for r in rows if not (r["name"] == "wanda 2:4" and r["seed"] == 2)]
+    text = "\n".join(report.oneshot_finding(rows, report.summarize(rows)))
+    assert "| 2:4 | magnitude | 3 | 1.6800 ± 0.0100 | 2.0800 ± 0.0100 | 1.8000 ± 0.0100 | 1.8100 ± 0.0100 |" in text
+    assert "- sparsegpt far better than magnitude (2:4, one-shot): **holds** (3 seeds: 0, 1, 2)" in text
+    assert "- wanda far better than magnitude (2:4, one-shot): **holds** (2 seeds: 0, 1)" in text
+    assert "- Wanda close to SparseGPT (2:4, one-shot): **holds** (2 seeds: 0, 1): Wanda minus SparseGPT +0.0200" in text
+    # wanda lacks seed 2: the comparisons use seeds 0 and 1 only
+    assert ("(2:4, 4 methods, 2 seeds: 0, 1): spread of the means 0.3050 one-shot, 0.0000 after 100 steps "
+            "(within seed noise)") in text and "**closed (within seed noise) by 100 steps**" in text
+    assert "(2:4, 3 seeds: 0, 1, 2): sequential minus one-pass one-shot -0.0050" in text
+    assert "for 2.0x the calibration + solve time: **no gain beyond seed noise**" in text
+    assert "Rows with fewer than 3 seeds: wanda 2:4 (2: seeds 0, 1); magnitude 4:8 (0 seeds)" in text
