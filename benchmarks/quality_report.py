@@ -396,8 +396,8 @@ means no larger than the larger standard deviation of the two: with 3 seeds, suc
 evidence either way. "Closest to dense" compares the 2:4 recipes of one regime trained on the same footing
 (not asp). The s/run column is the wall time of the row's fastest run on this machine (other work
 shared the two cores during some runs); `docs/benchmarks.md` has the speed measurements. The `+head`
-rows and the `cosine` regime ran at `nice -n 10` while other jobs loaded the same two cores: their
-s/run and hours are not comparable with the older rows."""
+rows ran at `nice -n 10`, and the `cosine` rows with one thread (OMP_NUM_THREADS=1), while other jobs
+loaded the same two cores: their s/run and hours are not comparable with the older rows."""
 
 
 def write_doc(rows: list[dict], path: str, results: str, expected: int) -> str:
