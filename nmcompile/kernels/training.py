@@ -49,7 +49,7 @@ from .. import masks
 from ..ops import E4M3, E5M2, autocast_kernel, mvue_along, fake_fp8
 from .packed import CUTLASS_COLS, CUTLASS_ROWS, Packed24, cutlass_meta, pack, unpack
 
-__all__ = ["sparse24_mm", "sparse_train_linear", "KERNELS", "ALIGNMENT", "misaligned", "strided"]
+__all__ = ["sparse24_mm", "sparse_train_linear", "sparse_train_linear_gated", "KERNELS", "ALIGNMENT", "misaligned", "strided"]
 
 KERNELS = ("reference", "cusparselt", "cutlass")
 #: per kernel, the multiples each dim must be: (rows of the 2:4 operand, its reduction dim, the
@@ -157,11 +157,19 @@ def _sparse_train_linear(
     return out
 
 
+#: Inductor's tag for ops that must not be captured in a CUDA graph (torch >= 2.9)
+_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
 sparse_train_linear = torch.library.custom_op("nmsparse::sparse_train_linear", _sparse_train_linear, mutates_args=())
+#: the same op for a forward gated by a 0-d tensor (STEP's phase): reading the gate is a host sync, which a
+#: CUDA graph cannot capture, so it carries Inductor's ``cudagraph_unsafe`` tag: under
+#: ``mode="reduce-overhead"`` Inductor runs it outside the graphs (partitions around it, or skips graphs)
+sparse_train_linear_gated = torch.library.custom_op(
+    "nmsparse::sparse_train_linear_gated", _sparse_train_linear, mutates_args=(), tags=_CUDAGRAPH_UNSAFE
+)
 
 
-@sparse_train_linear.register_fake
-def _(x, w, w_dgrad, bias, scale, gate, perm, mvue_n, mvue_m, fp8, forward, dgrad, wgrad, what):
+def _fake(x, w, w_dgrad, bias, scale, gate, perm, mvue_n, mvue_m, fp8, forward, dgrad, wgrad, what):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
@@ -202,11 +210,12 @@ def _backward(ctx, grad):
     return dx, dw, None, db, None, None, None, None, None, None, None, None, None, None
 
 
-sparse_train_linear.register_autograd(_backward, setup_context=_setup)
-
 _LIB = torch.library.Library("nmsparse", "FRAGMENT")  # autocast kernels, as for nmsparse::linear
-for _device in ("cpu", "cuda"):
-    _LIB.impl(
-        sparse_train_linear._name, autocast_kernel(sparse_train_linear, _device),
-        "Autocast" + torch._C._dispatch_key_for_device(_device), with_keyset=True,
-    )
+for _op in (sparse_train_linear, sparse_train_linear_gated):
+    _op.register_fake(_fake)
+    _op.register_autograd(_backward, setup_context=_setup)
+    for _device in ("cpu", "cuda"):
+        _LIB.impl(
+            _op._name, autocast_kernel(_op, _device), "Autocast" + torch._C._dispatch_key_for_device(_device),
+            with_keyset=True,
+        )

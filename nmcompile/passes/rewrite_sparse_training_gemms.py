@@ -36,6 +36,7 @@ log = logging.getLogger("nmcompile")
 _NM_LINEAR = torch.ops.nmsparse.linear.default
 _CONVS = (torch.ops.nmsparse.conv.default, *_graph._CONV)
 _OP = torch.ops.nmsparse.sparse_train_linear.default
+_GATED_OP = torch.ops.nmsparse.sparse_train_linear_gated.default  # STEP: reads its gate on the host
 
 
 def _value(node):
@@ -175,7 +176,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, target, gemms, kernels: Train
             w, wd = _transposed(graph, operand, cache), _transposed(graph, w_dgrad, cache)
         args = (ops["x"], w, wd, ops["bias"], scale, gate, perm, mvue_n, mvue_m,
                 bool(getattr(recipe, "fp8", False)), *kinds, target.fqn)
-        _graph.replace_call(user, _OP, args)
+        _graph.replace_call(user, _OP if gate is None else _GATED_OP, args)
     for node in (*[u for u in weight.users if u.target is torch.t], weight):  # S-STE's beta * S(W), if unused now
         if not node.users and node.op == "call_function":
             graph.erase_node(node)

@@ -275,3 +275,17 @@ def test_gpu_training_with_sparse_kernels_matches_dense(kernel, inner):
         for kernels in report.values():
             for decision in kernels.as_dict().values():
                 assert decision.kernel == "dense" or (decision.speedup or 0) > 1.0, decision
+
+
+def test_step_gate_uses_the_op_that_cuda_graphs_leave_out_and_other_recipes_do_not():
+    # STEP's forward reads its phase on the host: a CUDA graph cannot capture that read, so its GEMMs take
+    # the tagged op (Inductor runs it outside the graphs); recipes without a gate keep the capturable op
+    gated, plain = torch.ops.nmsparse.sparse_train_linear_gated.default, torch.ops.nmsparse.sparse_train_linear.default
+    assert torch.Tag.cudagraph_unsafe in gated.tags and torch.Tag.cudagraph_unsafe not in plain.tags
+    for recipe, expected in ((RECIPES["step"], gated), ("transposable:2:4,wgrad=mvue24", plain)):
+        torch.compiler.reset()
+        model = MLP()
+        nmcompile.annotate(model, recipe)
+        gm, _ = rewritten(model, torch.randn(32, 32), "reference")
+        targets = {n.target for n in gm.graph.nodes if n.target in (gated, plain)}
+        assert targets == {expected}, (recipe, targets)
