@@ -78,6 +78,13 @@ def test_targets_and_table_from_rows(gpu_check):
     assert verdicts["deploy large GEMM >= 1.5x (vit-l fc1 13008x1024->4096)"] == (2.0, "met")
     assert verdicts["deploy large GEMM >= 1.5x (vit-l fc1 13008x1024->4096, CUDA graphs both)"] == (1.25, "not met")
     assert verdicts["no layer slower than dense under auto"] == (0.9, "not met")
+    rows[2]["sparse_speedups"] = []  # auto measured every 2:4 GEMM slower and kept it dense
+    kept = {t["target"]: t["status"] for t in gpu_check.targets(result)}["no layer slower than dense under auto"]
+    assert kept.startswith("met: auto kept every training GEMM dense")
+    for r in (rows[2], gpt[1]):
+        r["ms"] = "skipped: time budget"  # no auto row measured: nothing claimed
+    assert {t["target"]: t["status"] for t in gpu_check.targets(result)}["no layer slower than dense under auto"] == "not measured"
+    rows[2].update(ms=1.9, sparse_speedups=[1.2, 0.9])
     result["targets"] = gpu_check.targets(result)
     table = gpu_check.markdown(result)
     assert f"| {shape} | {T} [cusparselt] | 1.600 | 1.25 |" in table

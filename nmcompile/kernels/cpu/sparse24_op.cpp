@@ -7,6 +7,7 @@
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
 #include <cpuid.h>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,6 +52,14 @@ Isa isa_of(c10::string_view name) {
               "'; accepted: avx512_bf16, avx512, avx2, emulated512, emulated512_bf16");
 }
 
+// "[2, 48]": shapes in messages are formatted here, not streamed as IntArrayRef (an extension built on a GPU
+// machine's host, torch 2.11, crashed while formatting that message for a refused input)
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
 int wdtype_of(at::ScalarType t) {
   if (t == at::kFloat) return NM24_F32;
   if (t == at::kBFloat16) return NM24_BF16;
@@ -62,7 +71,7 @@ void check_layout(const at::Tensor& values, const at::Tensor& bits, int64_t n) {
   TORCH_CHECK(values.dim() == 4 && bits.dim() == 3 && values.size(2) == NM24_GROUP && values.size(3) == 8 &&
                   bits.size(0) == values.size(0) && bits.size(1) == values.size(1) && bits.size(2) == NM24_GROUP,
               "nmsparse::cpu24: expected the CPU layout values [groups, K/16, ", NM24_GROUP, ", 8] and bits [groups, "
-              "K/16, ", NM24_GROUP, "] (nmcompile.kernels.cpu24.cpu_layout), got ", values.sizes(), " and ", bits.sizes());
+              "K/16, ", NM24_GROUP, "] (nmcompile.kernels.cpu24.cpu_layout), got ", shape_str(values), " and ", shape_str(bits));
   TORCH_CHECK(n > (values.size(0) - 1) * NM24_GROUP && n <= values.size(0) * NM24_GROUP,
               "nmsparse::cpu24: out_features ", n, " does not fit ", values.size(0), " groups of ", NM24_GROUP, " rows");
   TORCH_CHECK(bits.scalar_type() == at::kShort, "nmsparse::cpu24: bits must be int16, got ", bits.scalar_type());
@@ -99,7 +108,7 @@ at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at:
                         int64_t n, int64_t max_tokens, c10::string_view isa_name) {
   check_layout(values, bits, n);
   const int64_t k = bits.size(1) * 16;
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "nmsparse::cpu24_linear: input ", x.sizes(),
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "nmsparse::cpu24_linear: input ", shape_str(x),
               " does not match the weight's in_features ", k);
   TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nmsparse::cpu24_linear: input dtype ", x.scalar_type(),
               " differs from the weight's ", values.scalar_type(), " (as for F.linear, cast one of them)");
@@ -122,7 +131,7 @@ at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at:
   xs = xs.contiguous();
   at::Tensor b32;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "nmsparse::cpu24_linear: bias ", bias->sizes(),
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "nmsparse::cpu24_linear: bias ", shape_str(*bias),
                 " does not match out_features ", n);
     b32 = bias->to(at::kFloat).contiguous();
   }
