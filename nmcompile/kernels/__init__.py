@@ -9,7 +9,8 @@
   ``nmsparse::cpu24_*`` ops; :mod:`.packed_tensor`: a weight held packed only, on that kernel;
 - :mod:`.training`: the 2:4 GEMMs inside training (``nmsparse::sparse24_mm``, compressing its operand
   at each call, and ``nmsparse::sparse_train_linear``, a linear whose forward, DGRAD and WGRAD each
-  take a kernel);
+  take a kernel; ``nmsparse::sparse_train_linear_gated``, the same for STEP's phase-gated forward,
+  which CUDA graphs leave out);
 - :mod:`.train_dispatch`: which kernel each training GEMM gets, timed against dense on CUDA;
 - :mod:`.shared`: one compiled kernel shared by layers whose mask ops have the same signature.
 
