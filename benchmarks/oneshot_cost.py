@@ -4,10 +4,11 @@
     nice -n 10 python benchmarks/oneshot_cost.py gpt2m      # GPT-2-medium shapes from a config (random weights)
 
 Each configuration runs in its own subprocess, so that its peak resident memory (``ru_maxrss``) is its own:
-load or train the dense model, declare the recipe, compile with ``backend="nmsparse"`` (``inner="aot_eager"``),
+load or train the dense model, declare the recipe, compile with ``backend="nmsparse"`` (``inner``: Inductor for the sequential form, which
+updates the statistics in place, ``aot_eager`` for one pass, as ``nmcompile prune`` chooses),
 run the calibration batches (``nmcompile.finalize(model, calibration=fn, sequential=...)``) and solve. Printed
-per configuration: calibration + solve seconds (compiled before the timing), the statistics buffers' size, peak RSS and its growth
-during finalize, and for the
+per configuration: calibration + solve seconds (compiled before the timing), the statistics buffers' size, peak RSS,
+the resident memory before finalize and the most finalize added to it (sampled every 20 ms), and for the
 trained character GPT the held-out loss (dense, magnitude 2:4, and each one-shot configuration). The random
 GPT-2-medium-shaped model measures time and memory only (its loss means nothing).
 """
@@ -31,6 +32,33 @@ sys.path.insert(0, ROOT)
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _resident_mb() -> float:
+    """Resident memory now (Linux), not the lifetime peak."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _Sampler:
+    """The highest resident memory seen every 20 ms while the block runs."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak, self._stop = _resident_mb(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _resident_mb())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _resident_mb())
 
 
 def _char_model(args):
@@ -100,7 +128,10 @@ def one(args) -> dict:
         return out
     recipe, mode = args.config.split("/")
     report = nmcompile.annotate(model, recipe, exclude=exclude)
-    compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager"})
+    sequential = mode == "sequential"
+    inner = args.inner or ("inductor" if sequential else "aot_eager")  # as `nmcompile prune` chooses
+    out["inner"] = inner
+    compiled = torch.compile(model, backend="nmsparse", options={"inner": inner})
     passes = []
 
     def calibration():
@@ -112,17 +143,23 @@ def one(args) -> dict:
 
     import warnings
 
-    from nmcompile.deploy.oneshot import reset
+    from nmcompile.deploy.oneshot import calibrated, reset
+    from nmcompile.state.records import state_of
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.no_grad():
-            compiled(calib[0])  # compile outside the timing, then forget what it gathered
+            for _, places, ann in calibrated(model):  # paused: the compile run gathers (and touches) nothing
+                state_of(places[0][1], places[0][2], ann)[1].fill_(-1)
+            compiled(calib[0])  # compile outside the timing
         reset(model)
         out["stats_mb"] = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "_nm_" in n) / 2**20
         out["rss_before_mb"] = _rss_mb()
+        out["resident_before_mb"] = _resident_mb()
         start = time.perf_counter()
-        nmcompile.finalize(model, calibration=calibration, sequential=(mode == "sequential"))
+        with _Sampler() as sampled:
+            nmcompile.finalize(model, calibration=calibration, sequential=sequential)
+    out["resident_peak_in_finalize_mb"] = sampled.peak
     out["seconds"] = time.perf_counter() - start
     out["calibration_seconds"] = sum(passes)
     out["passes"] = len(passes)
@@ -148,6 +185,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", default=os.path.join("/tmp", "nmcompile-oneshot-cache"))
+    parser.add_argument("--inner", default=None, help="inner compiler of the calibration graph (default: inductor "
+                        "for sequential, which updates the statistics in place, aot_eager for one pass)")
     args = parser.parse_args()
     args.layers = args.layers or (4 if args.model == "char" else 24)
     args.context = args.context or (64 if args.model == "char" else 128)
@@ -158,7 +197,8 @@ def main() -> None:
     for config in args.configs.split(","):
         cmd = [sys.executable, __file__, args.model, "--config", config, "--layers", str(args.layers), "--width",
                str(args.width), "--steps", str(args.steps), "--train-batch", str(args.train_batch), "--context", str(args.context), "--batch", str(args.batch),
-               "--batches", str(args.batches), "--threads", str(args.threads), "--cache", args.cache]
+               "--batches", str(args.batches), "--threads", str(args.threads), "--cache", args.cache,
+               *(["--inner", args.inner] if args.inner else [])]
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
         if done.returncode:
             print(f"{config}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -166,15 +206,17 @@ def main() -> None:
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.model}: layers {args.layers}, {args.batches} x {args.batch} x {args.context} calibration tokens")
-    print("| configuration | held-out loss | calibration + solve (s) | calibration passes (s) | statistics (MB) | peak RSS (MB) | peak RSS growth in finalize (MB) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| configuration | inner | held-out loss | calibration + solve (s) | calibration passes (s) | statistics (MB) "
+          "| peak RSS (MB) | resident before finalize (MB) | most resident during finalize, added (MB) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "-"
         if "seconds" in r:
-            print(f"| {r['config']} | {loss} | {r['seconds']:.1f} | {r['passes']} ({r['calibration_seconds']:.1f}) | "
-                  f"{r['stats_mb']:.0f} | {r['rss_peak_mb']:.0f} | {r['rss_peak_mb'] - r['rss_before_mb']:.0f} |")
+            print(f"| {r['config']} | {r['inner']} | {loss} | {r['seconds']:.1f} | {r['passes']} "
+                  f"({r['calibration_seconds']:.1f}) | {r['stats_mb']:.0f} | {r['rss_peak_mb']:.0f} | "
+                  f"{r['resident_before_mb']:.0f} | {r['resident_peak_in_finalize_mb'] - r['resident_before_mb']:.0f} |")
         else:
-            print(f"| {r['config']} | {loss} | - | - | - | - | - |")
+            print(f"| {r['config']} | - | {loss} | - | - | - | - | - | - |")
 
 
 if __name__ == "__main__":

@@ -176,8 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--exclude", action="append", metavar="GLOB", help="leave these dense (repeatable; output "
                    "heads and MoE routers stay dense by default: see the README)")
     p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (for a .pt model)")
-    p.add_argument("--inner", default="aot_eager", help="inner compiler for the calibration graph (default "
-                   "aot_eager: no Inductor compile for a one-time run; 'inductor' for long calibrations)")
+    p.add_argument("--inner", default=None, help="inner compiler for the calibration graph (default: aot_eager, "
+                   "no Inductor compile for a one-time run; with --sequential, inductor, which updates the statistics "
+                   "in place so that one block's are resident at a time)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_prune)
     args = parser.parse_args(argv)

@@ -115,7 +115,7 @@ def _loss(model, windows, batch_size: int) -> float:
 
 def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, held_out: str | None = None,
                 seq_len: int = 128, samples: int | None = 128, batch_size: int = 8, sequential: bool = False,
-                include=None, exclude=None, tokenizer: str | None = None, inner: str = "aot_eager",
+                include=None, exclude=None, tokenizer: str | None = None, inner: str | None = None,
                 progress: bool = True) -> PruneSummary:
     """Prune ``model_path`` in one shot with ``recipe`` (``wanda`` or ``sparsegpt``); see the module doc."""
     from ..declare.annotate import annotate
@@ -147,6 +147,8 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     report = annotate(model, parsed, include=include, exclude=list(exclude) if exclude else None)
     if not report.annotated:
         raise ValueError(f"no weight of {model_path} takes {parsed}: {report}")
+    if inner is None:  # aot_eager copies every statistics buffer back at each call: all would be resident
+        inner = "inductor" if sequential else "aot_eager"
     compiled = torch.compile(model, backend="nmsparse", options={"inner": inner})
     batches = [torch.stack(calib[i:i + batch_size]) for i in range(0, len(calib), batch_size)]
     passes = [0]

@@ -36,7 +36,7 @@ from ..masks.oneshot import SingularHessian
 from ..state.records import annotation_of, owners, state_of
 from ..state.sharding import full
 
-__all__ = ["Solved", "NoCalibration", "calibrated", "solve", "solve_sequential", "blocks", "reset"]
+__all__ = ["Solved", "NoCalibration", "calibrated", "solve", "solve_sequential", "blocks", "reset", "release"]
 
 
 class NoCalibration(ValueError):
@@ -69,7 +69,7 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
     recipe, dim = ann.recipe, ann.dim
     param = full(module._parameters[pname].detach())
     stat, count = (full(t) for t in state_of(module, pname, ann))
-    if not bool(torch.isfinite(stat).all()):
+    if not bool(torch.isfinite(_live(stat, count)).all()):
         raise ValueError(
             f"nmcompile.finalize: {name} ({recipe}): its calibration statistics are not finite (NaN or inf "
             f"activations reached it); nothing was changed. Check the calibration data and the model in eval() on "
@@ -103,6 +103,24 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
     return Solved(from_columns(out, param.shape, dim).to(param.dtype).contiguous(), notes)
 
 
+def _live(stat: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The statistics that hold rows (``count > 0``); the rest are undefined."""
+    if count.dim() == 0:
+        return stat if int(count) > 0 else stat.new_empty(0)
+    return stat[count > 0]
+
+
+def release(stat: torch.Tensor) -> None:
+    """Give ``stat``'s memory back and leave it undefined (its count must be 0): same tensor, shape and
+    strides (compiled graphs keep reading it), new untouched memory (no resident pages until written)."""
+    if type(stat) is not torch.Tensor or stat.device.type == "meta":
+        return  # a DTensor or another subclass keeps its memory
+    storage = stat.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+
+
 def _sum_over_ranks(model: nn.Module, names=None) -> None:
     """Sum the statistics over the process group: each rank calibrated on its own batches.
 
@@ -115,8 +133,14 @@ def _sum_over_ranks(model: nn.Module, names=None) -> None:
         return
     for name, places, ann in calibrated(model):
         if names is None or name in names:
-            for tensor in state_of(places[0][1], places[0][2], ann):
-                torch.distributed.all_reduce(tensor)
+            stat, count = state_of(places[0][1], places[0][2], ann)
+            with torch.no_grad():  # a rank that saw no rows holds undefined statistics: it adds zeros
+                if count.dim() > 0:
+                    stat[count == 0] = 0
+                elif int(count) == 0:
+                    stat.zero_()
+            torch.distributed.all_reduce(stat)
+            torch.distributed.all_reduce(count)
 
 
 def solve(model: nn.Module) -> dict[str, Solved]:
@@ -141,26 +165,31 @@ def blocks(names: list[str]) -> list[list[str]]:
 
 
 def reset(model: nn.Module, names=None) -> None:
-    """Zero the calibration statistics of the one-shot weights (``names``: only those)."""
+    """Forget the calibration statistics of the one-shot weights (``names``: only those): their counts
+    become 0 and their statistics' memory is given back (:func:`release`)."""
     with torch.no_grad():
         for name, places, ann in calibrated(model):
             if names is None or name in names:
-                for tensor in state_of(places[0][1], places[0][2], ann):
-                    tensor.zero_()
+                stat, count = state_of(places[0][1], places[0][2], ann)
+                count.zero_()
+                release(stat)
 
 
 def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
     """Solve block by block, calibrating each block on the outputs of the blocks already pruned.
 
     ``calibration()`` runs the compiled model over the calibration batches; it is called once per
-    block, with every other weight's count set to -1, which pauses its statistics (the op adds
-    nothing), so each pass computes the statistics of one block only. Solved weights are written
-    into the model as each block is done.
+    block, with every other weight's count set to -1, which pauses its statistics (the op neither
+    adds to them nor touches them), so each pass computes the statistics of one block only. Solved
+    weights are written into the model as each block is done, and the block's statistics are released
+    (:func:`release`): where the compiled graph updates them in place (Inductor, the default inner
+    compiler), only one block's statistics are resident at a time, so memory does not grow with depth.
+    (``inner="aot_eager"`` copies every mutated buffer at every call, which writes them all.)
     """
     items = {name: (places, ann) for name, places, ann in calibrated(model)}
     counts = {name: state_of(places[0][1], places[0][2], ann)[1] for name, (places, ann) in items.items()}
     solved: dict[str, Solved] = {}
-    kept: dict[str, torch.Tensor] = {}
+    reset(model)  # earlier statistics would not be used: give their memory back first
     try:
         for block in blocks(list(items)):
             reset(model, block)
@@ -178,11 +207,11 @@ def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
                 for name in block:
                     places, ann = items[name]
                     solved[name] = solve_one(name, places[0][1], places[0][2], ann)
-                    kept[name] = counts[name].clone()
                     for _, module, pname in places:
                         module._parameters[pname].copy_(solved[name].weight)
+            reset(model, block)  # solved: its statistics' memory goes back before the next block's pass
     finally:
         with torch.no_grad():  # no count stays paused (negative), whatever happened
-            for name, count in counts.items():
-                count.copy_(kept[name]) if name in kept else count.clamp_(min=0)
+            for count in counts.values():
+                count.clamp_(min=0)
     return solved

@@ -120,10 +120,17 @@ def _patches(x: torch.Tensor, conv: list[int]) -> torch.Tensor:
 def accumulate(stat: torch.Tensor, count: torch.Tensor, x: torch.Tensor, who, expert: int, gram: bool) -> None:
     """Add the rows ``x`` to ``stat`` (``X^T X`` if ``gram``, else the per-column sum of squares) and
     their number to ``count``, in float32 (``stat``'s dtype), per expert (see :func:`input_rows`).
-    A negative ``count`` pauses the weight: nothing is added (see
-    :func:`nmcompile.deploy.oneshot.solve_sequential`)."""
+    A negative ``count`` pauses the weight: nothing is added, ``stat`` is not touched (see
+    :func:`nmcompile.deploy.oneshot.solve_sequential`). Where ``count`` is 0, ``stat`` is undefined and
+    is zeroed first."""
     if bool((count < 0).any()):
         return  # paused (sequential calibration gathers one block at a time)
+    fresh = count == 0
+    if bool(fresh.any()):  # statistics are undefined until their first rows (uninitialised or released)
+        if fresh.dim() == 0:
+            stat.zero_()
+        else:
+            stat[fresh] = 0
     x = x.to(stat.dtype)
     if who is None:
         target, counter = (stat, count) if expert < 0 else (stat[expert], count[expert])

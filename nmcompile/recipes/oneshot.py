@@ -3,7 +3,8 @@
 A one-shot recipe prunes a trained model from calibration data instead of training it. Its state is
 statistics of the weight's input (``stat``, float32, in the column layout of
 :mod:`nmcompile.masks.calibration`, one per expert for stacked weights) and the number of input rows
-(tokens) they hold (``count``, int64). The ``nmsparse`` backend inserts ``nmsparse::accumulate_stats``
+(tokens) they hold (``count``, int64). Where ``count`` is 0, ``stat`` is undefined (uninitialised
+memory, or released by :func:`nmcompile.deploy.oneshot.reset`): the first rows overwrite it. The ``nmsparse`` backend inserts ``nmsparse::accumulate_stats``
 before each GEMM that reads the weight, so running the compiled model over calibration batches fills
 them; the forward uses the dense weight (:meth:`project` is the identity) until
 :func:`nmcompile.finalize` calls :meth:`solve_columns` on each matrix and bakes the result.
@@ -38,7 +39,10 @@ class OneShot(Recipe):
         experts, cols = columns_shape(weight.shape, dim)
         stat_shape = (*experts, cols, cols) if self.gram else (*experts, cols)
         return {
-            self.state_names[0]: torch.zeros(stat_shape, dtype=torch.float32, device=weight.device),
+            # uninitialised: a matrix's statistics mean nothing while its count is 0, and the first calibration
+            # rows zero them before adding (masks.calibration.accumulate). So declaring the recipe makes no resident
+            # memory for them (untouched pages), and sequential calibration holds one block's at a time
+            self.state_names[0]: torch.empty(stat_shape, dtype=torch.float32, device=weight.device),
             "count": torch.zeros(experts, dtype=torch.int64, device=weight.device),
         }
 
