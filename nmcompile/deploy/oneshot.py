@@ -110,15 +110,34 @@ def _live(stat: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return stat[count > 0]
 
 
-def release(stat: torch.Tensor) -> None:
-    """Give ``stat``'s memory back and leave it undefined (its count must be 0): same tensor, shape and
-    strides (compiled graphs keep reading it), new untouched memory (no resident pages until written)."""
-    if type(stat) is not torch.Tensor or stat.device.type == "meta":
-        return  # a DTensor or another subclass keeps its memory
-    storage = stat.untyped_storage()
-    nbytes = storage.nbytes()
-    storage.resize_(0)
-    storage.resize_(nbytes)
+def release(*stats: torch.Tensor) -> None:
+    """Give the memory of ``stats`` back and leave them undefined (their counts must be 0): the same
+    tensors, shapes and strides (compiled graphs keep reading them), on new untouched memory (no
+    resident pages until written). A DTensor or another subclass keeps its memory."""
+    storages = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in stats
+                if type(t) is torch.Tensor and t.device.type != "meta"]
+    for storage, _ in storages:
+        storage.resize_(0)
+    if any(storage.device.type == "cpu" for storage, _ in storages):
+        _trim_heap()
+    for storage, nbytes in storages:
+        storage.resize_(nbytes)
+
+
+def _trim_heap() -> None:
+    """Return the C heap's free pages to the system (glibc): a freed buffer below malloc's mmap threshold
+    (32 MB at most) stays resident otherwise, and would be handed back, still resident, to the next."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def _sum_over_ranks(model: nn.Module, names=None) -> None:
@@ -167,12 +186,14 @@ def blocks(names: list[str]) -> list[list[str]]:
 def reset(model: nn.Module, names=None) -> None:
     """Forget the calibration statistics of the one-shot weights (``names``: only those): their counts
     become 0 and their statistics' memory is given back (:func:`release`)."""
+    stats = []
     with torch.no_grad():
         for name, places, ann in calibrated(model):
             if names is None or name in names:
                 stat, count = state_of(places[0][1], places[0][2], ann)
                 count.zero_()
-                release(stat)
+                stats.append(stat)
+        release(*stats)
 
 
 def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
@@ -206,9 +227,11 @@ def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
             with torch.no_grad():
                 for name in block:
                     places, ann = items[name]
-                    solved[name] = solve_one(name, places[0][1], places[0][2], ann)
+                    result = solve_one(name, places[0][1], places[0][2], ann)
                     for _, module, pname in places:
-                        module._parameters[pname].copy_(solved[name].weight)
+                        module._parameters[pname].copy_(result.weight)
+                    # the parameter now holds it: no second copy of each solved weight grows with depth
+                    solved[name] = Solved(full(places[0][1]._parameters[places[0][2]].detach()), result.notes)
             reset(model, block)  # solved: its statistics' memory goes back before the next block's pass
     finally:
         with torch.no_grad():  # no count stays paused (negative), whatever happened
