@@ -83,15 +83,20 @@ def gpu_test_files() -> list[str]:
                   if "pytest.mark.gpu" in p.read_text())
 
 
+def has_xdist() -> bool:
+    """Whether pytest-xdist is installed (the gpu-marked tests then run in 8 processes)."""
+    import importlib.util
+
+    return importlib.util.find_spec("xdist") is not None
+
+
 def gpu_tests(clock: Clock, budget: float) -> dict:
     """``pytest -m gpu`` over the files that hold gpu-marked tests: one run spread over 8 processes
     where pytest-xdist is installed (the Inductor compiles dominate: 40 tests took 74 s so on an
     H200 with 16 cores), else one run per file, the time left shared among the files not yet run."""
-    import importlib.util
-
     files = gpu_test_files()
     base = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs", "--tb=line"]
-    if importlib.util.find_spec("xdist") is not None:
+    if has_xdist():
         part = run([*base, "-n", "8", *files], min(budget, clock.left() - 150))
         part["cmd"] = "pytest -m gpu -n 8 (every file)"
         summary = next((line for line in reversed(part["tail"]) if " passed" in line or " failed" in line), "")

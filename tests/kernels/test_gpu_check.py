@@ -134,6 +134,11 @@ def test_gpu_tests_run_per_file_within_their_budget(gpu_check, monkeypatch):
         return {"cmd": cmd[-1], "status": status, "seconds": 1.0, "tail": ["1 passed"]}
 
     monkeypatch.setattr(gpu_check, "run", fake_run)
+    monkeypatch.setattr(gpu_check, "has_xdist", lambda: True)  # one run over every file, 8 processes
+    whole = gpu_check.gpu_tests(gpu_check.Clock(10_000), budget=100.0)
+    assert len(calls) == 1 and calls[0][1] == 100.0 and whole["cmd"] == "pytest -m gpu -n 8 (every file)"
+    calls.clear()
+    monkeypatch.setattr(gpu_check, "has_xdist", lambda: False)  # one run per file
     result = gpu_check.gpu_tests(gpu_check.Clock(10_000), budget=len(files) * 30.0)
     assert [path for path, _ in calls] == files  # a timeout in one file leaves the others to run
     timeouts = [t for _, t in calls]  # a fair share first; what a file leaves unused passes on to the next
