@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import masks
-from ..masks.calibration import from_columns, to_columns
+from ..masks.calibration import from_columns, to_columns, zero_undefined
 from ..masks.oneshot import SingularHessian
 from ..state.records import annotation_of, owners, state_of
 from ..state.sharding import full
@@ -154,10 +154,7 @@ def _sum_over_ranks(model: nn.Module, names=None) -> None:
         if names is None or name in names:
             stat, count = state_of(places[0][1], places[0][2], ann)
             with torch.no_grad():  # a rank that saw no rows holds undefined statistics: it adds zeros
-                if count.dim() > 0:
-                    stat[count == 0] = 0
-                elif int(count) == 0:
-                    stat.zero_()
+                zero_undefined(stat, count)
             torch.distributed.all_reduce(stat)
             torch.distributed.all_reduce(count)
 

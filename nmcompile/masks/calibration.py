@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["to_columns", "from_columns", "columns_shape", "input_rows", "accumulate", "LAYOUTS"]
+__all__ = ["to_columns", "from_columns", "columns_shape", "input_rows", "accumulate", "zero_undefined", "LAYOUTS"]
 
 #: how the GEMM reads its input operand ``x`` (see :func:`input_rows`)
 LAYOUTS = ("rows", "t", "batched", "batched_t", "grouped", "gathered", "gathered_t", "conv")
@@ -117,20 +117,28 @@ def _patches(x: torch.Tensor, conv: list[int]) -> torch.Tensor:
     return cols.reshape(batch * positions, -1)
 
 
+def zero_undefined(stat: torch.Tensor, count: torch.Tensor) -> None:
+    """Zero the statistics whose ``count`` is 0: they are undefined until their first rows (uninitialised
+    when the recipe is declared, or released by :func:`nmcompile.deploy.oneshot.reset`)."""
+    fresh = count == 0
+    if fresh.dim() == 0:
+        if bool(fresh):
+            stat.zero_()
+    elif bool(fresh.any()):
+        stat[fresh] = 0
+
+
 def accumulate(stat: torch.Tensor, count: torch.Tensor, x: torch.Tensor, who, expert: int, gram: bool) -> None:
     """Add the rows ``x`` to ``stat`` (``X^T X`` if ``gram``, else the per-column sum of squares) and
     their number to ``count``, in float32 (``stat``'s dtype), per expert (see :func:`input_rows`).
     A negative ``count`` pauses the weight: nothing is added, ``stat`` is not touched (see
     :func:`nmcompile.deploy.oneshot.solve_sequential`). Where ``count`` is 0, ``stat`` is undefined and
     is zeroed first."""
-    if bool((count < 0).any()):
+    lowest = int(count.min())
+    if lowest < 0:
         return  # paused (sequential calibration gathers one block at a time)
-    fresh = count == 0
-    if bool(fresh.any()):  # statistics are undefined until their first rows (uninitialised or released)
-        if fresh.dim() == 0:
-            stat.zero_()
-        else:
-            stat[fresh] = 0
+    if lowest == 0:
+        zero_undefined(stat, count)
     x = x.to(stat.dtype)
     if who is None:
         target, counter = (stat, count) if expert < 0 else (stat[expert], count[expert])
