@@ -83,6 +83,17 @@ def test_shapes_at_the_alignment_edges(isa, dtype, out_f, in_f, with_bias):
         check(torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, None, out_f, -1, isa), x, w, bias)
 
 
+@pytest.mark.parametrize("isa,dtype", PATH_DTYPES)
+def test_wide_rows_span_several_token_panels(isa, dtype):
+    # panels hold 4x the core's L2 of activations (2 MB on a 512 KB L2): 255 tokens of 11008 fp32
+    # activations (11 MB) take several panels and a remainder of fewer tokens than a tile
+    _skip_unless_runs(isa, dtype)
+    w, bias = pruned(9, 11008, dtype), torch.randn(9).to(dtype)
+    values, bits = layout(w)
+    x = torch.randn(255, 11008).to(dtype)
+    check(torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, None, 9, -1, isa), x, w, bias)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_and_two_threads_on_a_layer_large_enough_to_split(threads, dtype):

@@ -23,6 +23,7 @@ struct Nm24Args {
   const float* bias;      // [n] or nullptr
   float* out;             // [tokens, n]
   int64_t n;              // rows computed and stored (the layout holds n rounded up to NM24_GROUP)
+  int64_t panel_bytes;    // activations per token panel (sparse24_op.cpp: a multiple of the L2 size)
 };
 
 using Nm24Rows = void (*)(const Nm24Args&, int64_t, int64_t);

@@ -7,6 +7,8 @@
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
 #include <cpuid.h>
+#include <unistd.h>
+
 #include <string>
 
 #include <ATen/ATen.h>
@@ -34,6 +36,19 @@ int64_t detect_isa_flags() {
 int64_t isa_flags() {
   static const int64_t flags = detect_isa_flags();
   return flags;
+}
+
+// Token panels of 4x this core's L2 of activations. On the 2-core Zen 3 VM (512 KB L2, 32 MB L3),
+// fp32 [4096, 11008]: 8 tokens ran 2.0x faster with 512 KB panels than with 128 KB (the weight
+// streamed from memory twice instead of four times), and 16 tokens 1.15x faster again with 2 MB
+// (one pass; the panel's activations are reread from L3, far cheaper than the weight from memory).
+int64_t panel_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the OS does not say
+    const int64_t per_core = l2 >= 128 * 1024 && l2 <= 8 * 1024 * 1024 ? l2 : 512 * 1024;
+    return 4 * per_core;
+  }();
+  return bytes;
 }
 
 struct Isa {
@@ -138,7 +153,7 @@ at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at:
   auto out = at::empty({tokens, n}, x.options().dtype(at::kFloat));
   Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), wdtype_of(values.scalar_type()),
              reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
-             out.data_ptr<float>(), n};
+             out.data_ptr<float>(), n, panel_bytes()};
   // by groups of rows; a thread takes at least 8 groups (small layers stay on one thread)
   at::parallel_for(0, values.size(0), 8, [&](int64_t g0, int64_t g1) {
     isa.rows(a, g0 * NM24_GROUP, g1 * NM24_GROUP);
