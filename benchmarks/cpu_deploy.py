@@ -127,7 +127,7 @@ def per_layer(shapes, tokens, dtypes) -> list[dict]:
                     "nm_forced": lambda: nm_forced(x),
                 }
                 with torch.no_grad():
-                    t = interleaved(fns)
+                    t = interleaved(fns, budget=1.5, min_reps=9)
                     err = (nm_forced(x).float() - F.linear(x, w, b).float()).abs().max().item()
                 decision = nmcompile.deploy_report(m)["weight"]
                 row = {"dtype": dname, "out": out_f, "in": in_f, "tokens": count, "weight_mb": w.numel() * w.element_size() / 2**20,
