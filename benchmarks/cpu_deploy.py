@@ -13,7 +13,11 @@ same inputs, so they saw the same machine.
                 nm_auto     finalized nn.Linear through backend="nmsparse" (dynamic): the dispatch
                             keeps the 2:4 kernel where it measured faster, dense elsewhere
                 nm_forced   the same with deploy_kernel="cpu24" (the kernel at every count)
-              plus the kernel's achieved bytes/s at 1 token (packed bytes / time) beside the bandwidth
+                op_auto     nmsparse::cpu24_linear called alone with the range auto chose (above it,
+                            the dense GEMM inside the op): the decision without the compiled
+                            module's per-call cost, which a one-layer graph pays once per layer
+                op_forced   the op alone at every count
+              plus the kernel's achieved bytes/s (packed bytes / the forced op's time) beside the bandwidth
   decode      Hugging Face GPT-2-medium-shaped model (24 layers, d=1024, random weights), every
               Conv1D weight pruned 2:4 by magnitude, greedy model.generate of 64 tokens after a
               16-token prompt with its KV cache: dense vs packed-only 2:4 (pack_weights), each
@@ -117,28 +121,41 @@ def per_layer(shapes, tokens, dtypes) -> list[dict]:
             w, b = m.weight, m.bias
             packed = nmcompile.pack(w)
             packed_bytes = packed.nbytes
+            values, bits = cpu24.cpu_layout(packed.values, packed.meta)
+            # a copy for the forced call: no method reads the buffers the previous one just read
+            # (a weight below the L3 size would otherwise be timed warm after the other op call)
+            values2, bits2 = values.clone(), bits.clone()
+            op = torch.ops.nmsparse.cpu24_linear
             for count in tokens:
                 x = torch.randn(count, in_f).to(dtype)
+                with torch.no_grad():
+                    nm_auto(x)  # compiles for this count if needed: the decision below is the one it runs
+                decision = nmcompile.deploy_report(m)["weight"]
+                limit, isa = (decision.max_tokens, decision.isa) if decision.kernel == "cpu24" else (0, cpu24.isas()[0])
                 fns = {
                     "dense": lambda: F.linear(x, w, b),
                     "inductor": lambda: compiled["inductor"](x),
                     "autotune": lambda: compiled["autotune"](x),
                     "nm_auto": lambda: nm_auto(x),
                     "nm_forced": lambda: nm_forced(x),
+                    # the op alone, without the compiled module's per-call cost: auto's range, and forced
+                    "op_auto": lambda: op(x, values, bits, b, w, out_f, limit, isa),
+                    "op_forced": lambda: op(x, values2, bits2, b, w, out_f, -1, isa),
                 }
                 with torch.no_grad():
                     t = interleaved(fns, budget=1.5, min_reps=9)
                     err = (nm_forced(x).float() - F.linear(x, w, b).float()).abs().max().item()
-                decision = nmcompile.deploy_report(m)["weight"]
                 row = {"dtype": dname, "out": out_f, "in": in_f, "tokens": count, "weight_mb": w.numel() * w.element_size() / 2**20,
                        **{f"{k}_ms": v * 1e3 for k, v in t.items()},
                        **{f"{k}_x": t["dense"] / v for k, v in t.items() if k != "dense"},
-                       "forced_gbps": packed_bytes / t["nm_forced"] / 1e9, "max_abs_err": err,
+                       "forced_gbps": packed_bytes / t["nm_forced"] / 1e9, "op_gbps": packed_bytes / t["op_forced"] / 1e9,
+                       "max_abs_err": err,
                        "auto_decision": str(decision)}
                 rows.append(row)
                 print(f"{dname} [{out_f}, {in_f}] {count:>3} tok: dense {t['dense']*1e3:7.3f} ms | inductor "
                       f"{row['inductor_x']:.2f}x autotune {row['autotune_x']:.2f}x | nm auto {row['nm_auto_x']:.2f}x "
-                      f"forced {row['nm_forced_x']:.2f}x ({row['forced_gbps']:.1f} GB/s)", flush=True)
+                      f"forced {row['nm_forced_x']:.2f}x | op auto {row['op_auto_x']:.2f}x forced {row['op_forced_x']:.2f}x "
+                      f"({row['op_gbps']:.1f} GB/s)", flush=True)
     return rows
 
 
@@ -284,14 +301,20 @@ def render(result: dict) -> str:
              f"{result.get('bandwidth_gbps_after', float('nan')):.1f} GB/s after the run. Kernel build or load in this process: "
              f"{result['kernel_build_or_load_s']:.1f} s.", ""]
     if "layers" in result:
+        with_op = "op_auto_x" in result["layers"][0]  # older files lack the op columns
         lines += ["Per layer: dense `F.linear` time, then each method's speed as dense time / its time "
-                  "(>1: faster than dense); `GB/s`: the forced kernel's packed bytes / its time.", "",
-                  "| dtype | weight [out, in] | MB | tokens | dense ms | inductor | max-autotune | nm auto | nm forced | GB/s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "(>1: faster than dense). `nm auto`/`nm forced`: the layer compiled with `backend=\"nmsparse\"` "
+                  "(one-layer graphs: each call pays the compiled module's own cost, as `inductor` does); "
+                  "`op auto`/`op forced`: the deployed op called alone, with auto's range or at every count; "
+                  "`GB/s`: the packed bytes / the forced kernel's time (the op's where measured).", "",
+                  "| dtype | weight [out, in] | MB | tokens | dense ms | inductor | max-autotune | nm auto | nm forced |"
+                  + (" op auto | op forced |" if with_op else "") + " GB/s |",
+                  "| --- " * (12 if with_op else 10) + "|"]
         for r in result["layers"]:
+            ops = f" {r['op_auto_x']:.2f}x | {r['op_forced_x']:.2f}x |" if with_op else ""
             lines.append(f"| {r['dtype']} | [{r['out']}, {r['in']}] | {r['weight_mb']:.0f} | {r['tokens']} | {r['dense_ms']:.3f} | "
-                         f"{r['inductor_x']:.2f}x | {r['autotune_x']:.2f}x | {r['nm_auto_x']:.2f}x | {r['nm_forced_x']:.2f}x | "
-                         f"{r['forced_gbps']:.1f} |")
+                         f"{r['inductor_x']:.2f}x | {r['autotune_x']:.2f}x | {r['nm_auto_x']:.2f}x | {r['nm_forced_x']:.2f}x |"
+                         f"{ops} {r['op_gbps' if with_op else 'forced_gbps']:.1f} |")
         recorded = [r for r in result["layers"] if not r["auto_decision"].startswith("(not recorded")]
         lines += ["", "What `auto` chose per layer (the deploy report):", ""] if recorded else []
         seen = set()
