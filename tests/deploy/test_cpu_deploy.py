@@ -137,6 +137,41 @@ def test_a_win_inside_the_timing_noise_is_not_taken(monkeypatch):
     assert [t for t, _ in ratios] == [1, 2] and ratios[0][1] == 2.0 and abs(ratios[1][1] - 1.3 / 1.2) < 1e-9
 
 
+@pytest.mark.parametrize("copies", [1, 3, 4, 8])
+def test_timing_rotates_weight_copies_so_each_call_reads_a_cold_one(copies):
+    turn = cpu_dispatch.rotation(copies)
+    calls = [(kernel, turn(kernel)) for _ in range(3 * copies) for kernel in ("dense", "sparse")]
+    for kernel in ("dense", "sparse"):
+        seen = [i for k, i in calls if k == kernel]
+        assert all(seen.count(i) == 3 for i in range(copies))  # every copy, in turn
+        assert all(b == (a + 1) % copies for a, b in zip(seen, seen[1:]))
+    if copies >= 3:
+        assert all(a[1] != b[1] for a, b in zip(calls, calls[1:]))  # never the copy just read
+
+
+@needs_kernel
+def test_dispatch_timing_reads_enough_copies_to_leave_the_cache(monkeypatch):
+    """A small layer is timed on several copies of its weight (together over COLD_BYTES, at most
+    MAX_COPIES); the kernels' calls walk through them."""
+    read = []
+    real_linear = cpu_dispatch.F.linear
+
+    class Spy:
+        @staticmethod
+        def linear(x, w, b=None):
+            read.append(w.data_ptr())
+            return real_linear(x, w, b)
+
+    monkeypatch.setattr(cpu_dispatch, "F", Spy)
+    cpu_dispatch._ratios.cache_clear()
+    try:
+        cpu_dispatch.sparse_range(64, 256, torch.float32, False, cpu24.isas()[0], ladder=(1,))
+    finally:
+        cpu_dispatch._ratios.cache_clear()
+    assert len(set(read)) == cpu_dispatch.MAX_COPIES  # a 64 KB weight: the cap, not one copy
+    assert all(a != b for a, b in zip(read, read[1:]))
+
+
 @needs_kernel
 def test_dynamic_token_counts_above_the_range_take_dense_inside_the_op(monkeypatch):
     _patched_ratios(monkeypatch, {1: 3.0, 2: 3.0, 4: 2.0})
