@@ -4,7 +4,8 @@ One process, one run; every ratio compares methods timed alternately (interleave
 same inputs, so they saw the same machine.
 
   bandwidth   the machine's read bandwidth: torch.sum over a 512 MB fp32 buffer (far larger than the
-              caches), median of 9
+              caches), median of 9; before and after the run and before each layer (the targets
+              are judged against the highest)
   per layer   weight [out, in] in (3072, 768), (4096, 1024), (4096, 4096), (11008, 4096),
               (4096, 11008), fp32 and bf16, at 1, 2, 4, 8, 16, 64 and 256 tokens, bias on:
                 dense       F.linear(x, w, b)
@@ -78,8 +79,7 @@ def bandwidth() -> float:
 
 def interleaved(fns: dict, budget: float = 1.0, min_reps: int = 5, max_reps: int = 41) -> dict:
     """Median seconds of each function, called round-robin; each round starts one function later,
-    so that no method always follows the same one (at 256 tokens, the method timed first in every
-    round measured 3-7% faster than the same GEMM timed later)."""
+    so that no method always follows the same one (and finds the caches as that one left them)."""
     for fn in fns.values():
         fn()
     start = time.perf_counter()
@@ -124,6 +124,7 @@ def per_layer(shapes, tokens, dtypes) -> list[dict]:
             forced = layer(out_f, in_f, dtype)
             nm_forced = torch.compile(forced, backend="nmsparse", dynamic=True, options={"deploy_kernel": "cpu24"})
             w, b = m.weight, m.bias
+            probe = bandwidth()  # one per layer: the machine's bandwidth moves during a run
             packed = nmcompile.pack(w)
             packed_bytes = packed.nbytes
             values, bits = cpu24.cpu_layout(packed.values, packed.meta)
@@ -154,7 +155,7 @@ def per_layer(shapes, tokens, dtypes) -> list[dict]:
                        **{f"{k}_ms": v * 1e3 for k, v in t.items()},
                        **{f"{k}_x": t["dense"] / v for k, v in t.items() if k != "dense"},
                        "forced_gbps": packed_bytes / t["nm_forced"] / 1e9, "op_gbps": packed_bytes / t["op_forced"] / 1e9,
-                       "max_abs_err": err,
+                       "max_abs_err": err, "bandwidth_gbps": probe,
                        "auto_decision": str(decision)}
                 rows.append(row)
                 print(f"{dname} [{out_f}, {in_f}] {count:>3} tok: dense {t['dense']*1e3:7.3f} ms | inductor "
@@ -328,7 +329,10 @@ def targets(result: dict) -> list[str]:
     rows = [r for r in result.get("layers", []) if "op_auto_x" in r]
     if not rows:
         return []
-    probe = min(result["bandwidth_gbps"], result.get("bandwidth_gbps_after", result["bandwidth_gbps"]))
+    # the highest probe of the run (before, after, one per layer): a probe taken while the host was
+    # busy reads low, and judging against a low one would flatter the kernel
+    probe = max([result["bandwidth_gbps"], result.get("bandwidth_gbps_after", 0.0)]
+                + [r.get("bandwidth_gbps", 0.0) for r in rows])
     lines = ["| target | measured | verdict |", "| --- | --- | --- |"]
 
     def verdict(ok: int, total: int) -> str:
@@ -341,7 +345,7 @@ def targets(result: dict) -> list[str]:
             lines.append(f"| 1 token, {dname}, weights of 16 MB and more: >= {need}x | op {_span([r['op_forced_x'] for r in big])} "
                          f"(compiled {_span([r['nm_forced_x'] for r in big])}) | {verdict(ok, len(big))} |")
             share = [r["op_gbps"] / probe for r in big]
-            lines.append(f"| ... {dname} streaming at >= 80% of the read bandwidth ({probe:.1f} GB/s, the lower probe) | "
+            lines.append(f"| ... {dname} streaming at >= 80% of the read bandwidth ({probe:.1f} GB/s, the higher probe) | "
                          f"{min(r['op_gbps'] for r in big):.1f}-{max(r['op_gbps'] for r in big):.1f} GB/s, "
                          f"{min(share):.0%}-{max(share):.0%} | {verdict(sum(x >= 0.8 for x in share), len(share))} |")
     for count, need in ((4, {"fp32": 2.0, "bf16": 1.3}), (8, {"fp32": 1.3, "bf16": 1.3})):
