@@ -103,7 +103,7 @@ def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, thr
     packed = pack(w)
     values, bits = cpu24.cpu_layout(packed.values, packed.meta)
     per_copy = values.nbytes + bits.nbytes + (0 if packed_only else w.nbytes)
-    copies = [(w, values, bits)] + [(w.clone(), values.clone(), bits.clone())
+    copies = [(w, values, bits)] + [(w if packed_only else w.clone(), values.clone(), bits.clone())
                                     for _ in range(min(MAX_COPIES, -(-COLD_BYTES // per_copy)) - 1)]
     op = torch.ops.nmsparse.cpu24_linear
     ratios = []
