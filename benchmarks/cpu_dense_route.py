@@ -14,14 +14,14 @@ Prints each route's median time relative to `dense`, per shape and token count.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import nmcompile
 from nmcompile.kernels import cpu24
+
+from cpu_deploy import interleaved  # benchmarks/ is the script's directory
 
 SHAPES = [(3072, 768), (4096, 1024), (4096, 4096), (11008, 4096), (4096, 11008)]
 
@@ -45,18 +45,9 @@ def main() -> int:
             values, bits = cpu24.cpu_layout(packed.values, packed.meta)
             for count in args.tokens:
                 x = torch.randn(count, in_f)
-                fns = [("dense", lambda: F.linear(x, w, b)), ("again", lambda: F.linear(x, w, b)),
-                       ("op route", lambda: op(x, values, bits, b, w, out_f, 0, isa))]
-                times = {name: [] for name, _ in fns}
-                for _, fn in fns:
-                    fn()
-                for rep in range(args.reps):
-                    shift = rep % len(fns)
-                    for name, fn in fns[shift:] + fns[:shift]:
-                        start = time.perf_counter()
-                        fn()
-                        times[name].append(time.perf_counter() - start)
-                med = {name: statistics.median(t) for name, t in times.items()}
+                med = interleaved({"dense": lambda: F.linear(x, w, b), "again": lambda: F.linear(x, w, b),
+                                   "op route": lambda: op(x, values, bits, b, w, out_f, 0, isa)},
+                                  budget=0.0, min_reps=args.reps, max_reps=args.reps)
                 print(f"[{out_f}, {in_f}] {count:>3} tokens: dense {med['dense'] * 1e3:8.3f} ms | again "
                       f"{med['again'] / med['dense']:.3f} | op route {med['op route'] / med['dense']:.3f}", flush=True)
     return 0

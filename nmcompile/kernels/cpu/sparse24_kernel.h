@@ -20,8 +20,8 @@
 #include "sparse24_args.h"
 
 // how far ahead the weight streams are prefetched, in bytes of a tile's values stream (the bits
-// stream, 16x smaller, a quarter of it). On the 2-core Zen 3 VM at one token, 32 KB ahead streamed
-// 12-22% faster than no prefetch and 5-7% faster than 2 KB; 64 KB gained nothing more.
+// stream, 16x smaller, a quarter of it). On the 2-core Zen 3 VM at one token, each doubling from
+// 2 KB to 32 KB gained 0-7%, no prefetch was 12-22% slower than 16 KB, and 64 KB gained nothing.
 #ifndef NM24_PREFETCH
 #define NM24_PREFETCH 32768
 #endif
