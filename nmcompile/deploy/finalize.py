@@ -11,6 +11,7 @@ backend can rewrite its GEMMs to sparse kernels.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from ..state import records
 from ..declare.annotate import _skip_reason, annotation_of, detach_recipe
 from .inspection import _effective
 from ..pattern import NMPattern
-from ..state.records import DEPLOYED, deployed_of, owners
+from ..state.records import DEPLOYED, deployed_of, owners, state_of
 from ..state.sharding import full
 
 __all__ = ["finalize", "FinalizeReport", "Deployed", "deployed_of", "deploy_report"]
@@ -56,6 +57,8 @@ class FinalizeReport(dict):
         self.dense: dict[str, str] = {}
         #: one-shot recipes (Wanda, SparseGPT): ``{name: [what was done instead of the normal solve]}``
         self.fallbacks: dict[str, list[str]] = {}
+        #: one-shot recipes: how they were calibrated (one pass or sequential) and why
+        self.calibration = ""
 
     def __str__(self) -> str:
         lines = [f"nmcompile.finalize: {len(self)} weights are N:M"]
@@ -97,7 +100,8 @@ def _not_nm_hint(recipe) -> str:
 
 
 def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str | None = None,
-             calibration=None, sequential: bool = False) -> FinalizeReport:
+             calibration=None, sequential: bool | None = None, calibration_options: dict | None = None,
+             progress=None) -> FinalizeReport:
     """Bake every annotated weight's effective weight into its parameter and drop training state.
 
     Idempotent: calling it on a finalized model changes nothing and returns the same report.
@@ -113,12 +117,22 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             a freshly built model, e.g. in a serving process), ``"2:4"``: every plain weight of a
             supported layer that is already N:M along its reduction dimension is recorded as
             deployed, unchanged; the others stay dense, listed with the reason in ``report.dense``.
-        calibration: for one-shot recipes (``wanda``, ``sparsegpt``), a function of no arguments that runs
-            the compiled model over the calibration batches (eval, no grad). Without it, finalize solves
-            from the statistics gathered by the forwards run so far.
+        calibration: for one-shot recipes (``wanda``, ``sparsegpt``), the calibration batches (a list of
+            input tensors, of keyword dicts such as ``{"input_ids": ids, "use_cache": False}``, or of
+            argument tuples; finalize runs the model on them itself), or a function of no arguments
+            that runs the compiled model over them (eval, no grad). Without it, finalize solves from
+            the statistics gathered by the forwards run so far.
         sequential: solve one block (the weights under one numbered module, ``layers.3``) at a time,
-            calling ``calibration`` again before each so that every block is calibrated on the outputs
-            of the blocks already pruned (SparseGPT's sequential form; needs ``calibration``).
+            in the order the model runs them, each calibrated on the outputs of the blocks already
+            pruned (SparseGPT's sequential form; needs ``calibration``). With batches it costs about
+            one forward pass: the first block's inputs are caught once and each block runs alone on
+            them (:mod:`nmcompile.deploy.sequential`); with a function, or blocks that do not form a
+            chain, the model runs again before each block. ``None`` (the default): sequential when one
+            pass's statistics would take more than half the memory available, else one pass; the
+            choice and why are in ``report.calibration``.
+        calibration_options: ``nmsparse`` backend options of the graphs finalize compiles for
+            calibration batches (default: Inductor).
+        progress: ``progress(done, total, note)``, called after each block of a sequential solve.
 
     One-shot weights are solved first (:mod:`nmcompile.deploy.oneshot`); what was done instead of the
     normal solve for a weight (no token reached it: magnitude; a singular Hessian) is warned about
@@ -131,7 +145,7 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"finalize takes an nn.Module, got {type(model).__name__}")
     report = FinalizeReport()
-    solved = _solve_one_shot(model, calibration, sequential, report)
+    solved = _solve_one_shot(model, calibration, sequential, report, calibration_options, progress)
     loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
     broken: dict[str, str] = {}
@@ -200,26 +214,57 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     return report
 
 
-def _solve_one_shot(model: nn.Module, calibration, sequential: bool, report: FinalizeReport) -> dict:
+def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, report: FinalizeReport,
+                    options: dict | None, progress) -> dict:
     """``{name: Solved}`` of the one-shot weights (see :mod:`nmcompile.deploy.oneshot`)."""
     from . import oneshot
+    from . import sequential as cached
 
+    batches = None
     if calibration is not None and not callable(calibration):
-        raise TypeError(f"finalize(calibration=...) takes a function of no arguments that runs the compiled model "
-                        f"over the calibration batches, got {type(calibration).__name__}")
+        if isinstance(calibration, (str, bytes, torch.Tensor)) or not isinstance(calibration, Iterable):
+            raise TypeError(f"finalize(calibration=...) takes a list of calibration batches or a function of no "
+                            f"arguments that runs the compiled model over them, got {type(calibration).__name__} "
+                            "(one batch: pass [batch])")
+        batches = list(calibration)
+        if not batches:
+            raise ValueError("finalize(calibration=[...]) got no batches: give at least one calibration batch")
     if sequential and calibration is None:
-        raise ValueError("finalize(sequential=True) calibrates again before each block: pass calibration=fn, a "
-                         "function of no arguments that runs the compiled model over the calibration batches")
+        raise ValueError("finalize(sequential=True) calibrates again before each block: pass calibration=batches "
+                         "(a list of input batches) or calibration=fn, a function of no arguments that runs the "
+                         "compiled model over the calibration batches")
     if not oneshot.calibrated(model):
         if calibration is not None:
-            raise ValueError("finalize(calibration=...) is for one-shot recipes (wanda, sparsegpt), and no weight of "
-                             f"{type(model).__name__} is declared with one")
+            done = any(deployed_of(*places[0][1:]) is not None for _, places in owners(model))
+            raise ValueError(
+                f"nmcompile.finalize: {type(model).__name__} is already finalized; calibration is for weights still "
+                "declared with a one-shot recipe" if done else
+                "finalize(calibration=...) is for one-shot recipes (wanda, sparsegpt), and no weight of "
+                f"{type(model).__name__} is declared with one (a recipe given through compile options, NMSPARSE_RECIPE "
+                "or a region is declared at the first compiled forward: run one batch first, or use nmcompile.annotate)")
         return {}
+    sequential, report.calibration = _calibration_form(model, sequential, calibration is not None)
+
+    def run_batches():
+        compiled = torch.compile(model, backend="nmsparse", options=dict(options or {}))
+        with torch.no_grad():
+            for batch in batches:
+                cached.run_batch(compiled, batch)
+
+    run = calibration if batches is None else run_batches
     if sequential:
-        solved = oneshot.solve_sequential(model, calibration)
+        solved = None
+        if batches is not None:
+            try:
+                solved = cached.solve_cached(model, batches, options=options, progress=progress)
+                report.calibration += "; each block ran alone on its cached inputs"
+            except cached.Unchained as why:
+                report.calibration += f"; the model ran again before each block ({why})"
+        if solved is None:
+            solved = oneshot.solve_sequential(model, run)
     else:
-        if calibration is not None:
-            calibration()
+        if run is not None:
+            run()
         solved = oneshot.solve(model)
     for name, result in solved.items():
         if result.notes:
@@ -228,6 +273,25 @@ def _solve_one_shot(model: nn.Module, calibration, sequential: bool, report: Fin
         warnings.warn("nmcompile.finalize: one-shot weights solved otherwise than from their statistics:\n  "
                       + "\n  ".join(note for notes in report.fallbacks.values() for note in notes), stacklevel=3)
     return solved
+
+
+def _calibration_form(model: nn.Module, sequential: bool | None, calibrating: bool) -> tuple[bool, str]:
+    """``(sequential, why)``: as asked, or (``None``) sequential when one pass's statistics would take
+    more than half the memory available."""
+    from . import oneshot
+    from .sequential import available_bytes
+
+    if not calibrating:
+        return False, "from the statistics gathered before finalize"
+    if sequential is not None:
+        return sequential, ("sequential" if sequential else "one pass") + ", as asked"
+    need = sum(t.numel() * t.element_size() for _, places, ann in oneshot.calibrated(model)
+               for t in state_of(places[0][1], places[0][2], ann)[:1])
+    have = available_bytes()
+    gb = f"{need / 1e9:.2f} GB of statistics, {have / 1e9:.1f} GB available"
+    if need > have / 2:
+        return True, f"sequential: one pass would hold every weight's statistics at once ({gb})"
+    return False, f"one pass: every weight's statistics fit ({gb})"
 
 
 def deploy_report(model: nn.Module) -> dict[str, object]:

@@ -124,10 +124,10 @@ def test_fewer_tokens_than_columns_is_named_and_solved_with_dampening():
 
 def test_finalize_options_are_checked():
     model = calibrated()
-    with pytest.raises(ValueError, match="sequential=True\\) calibrates again before each block: pass calibration=fn"):
+    with pytest.raises(ValueError, match="sequential=True\\) calibrates again before each block: pass calibration=batches"):
         nmcompile.finalize(model, sequential=True)
-    with pytest.raises(TypeError, match="takes a function of no arguments"):
-        nmcompile.finalize(model, calibration=[torch.randn(2, 16)])
+    with pytest.raises(TypeError, match="takes a list of calibration batches or a function of no arguments"):
+        nmcompile.finalize(model, calibration=3)
     plain = Net()
     nmcompile.annotate(plain, "ste:2:4")
     with pytest.raises(ValueError, match="calibration=...\\) is for one-shot recipes"):

@@ -1,0 +1,194 @@
+"""Sequential one-shot on cached block inputs (nmcompile.deploy.sequential): the same weights as
+re-running the model before each block, blocks taken in the order they run, a model whose blocks do
+not chain falls back (and says so), and an error names the blocks already written."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nmcompile
+from nmcompile.deploy import sequential
+
+import reference as ref
+from models import AOT
+
+pytestmark = pytest.mark.filterwarnings("ignore:nmsparse. recipe state for")
+
+
+class Block(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.register_buffer("poison", torch.zeros(()))
+
+    def forward(self, x, scale=None, *, mask=None):
+        h = torch.tanh(self.fc1(x + self.poison))
+        if mask is not None:
+            h = h * mask
+        return (x + scale * self.fc2(h),)  # a tuple, as Hugging Face blocks once returned
+
+
+class Chained(nn.Module):
+    """Embedding, then blocks that run in ``order`` (not registration order), with a positional and a
+    keyword argument computed once per forward."""
+
+    def __init__(self, depth=3, width=16, order=None):
+        super().__init__()
+        self.emb = nn.Embedding(50, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.order = order or list(range(depth))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        scale = torch.full((), 0.5)
+        mask = (torch.arange(x.shape[-1] * 2) % 3 != 0).float()
+        for k in self.order:
+            x = self.layers[k](x, scale, mask=mask)[0]
+        return x
+
+
+def batches(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (4, 10), generator=g) for _ in range(n)]
+
+
+def reference(model, data, recipe):
+    """Each block solved in the order it runs, on the outputs of the blocks already pruned (plain
+    equations, eager): what SparseGPT's sequential form computes."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        x = torch.cat([model.emb(b) for b in data])
+        scale, mask = torch.full((), 0.5), (torch.arange(x.shape[-1] * 2) % 3 != 0).float()
+        for k in model.order:
+            block = model.layers[k]
+            a = x.reshape(-1, x.shape[-1])
+            h = torch.tanh(block.fc1(x)) * mask
+            solve = ref.sparsegpt if recipe.startswith("sparsegpt") else ref.wanda
+            w1 = solve(block.fc1.weight, a, 2, 4)
+            w2 = solve(block.fc2.weight, h.reshape(-1, h.shape[-1]), 2, 4)
+            block.fc1.weight.copy_(w1[0] if isinstance(w1, tuple) else w1)
+            block.fc2.weight.copy_(w2[0] if isinstance(w2, tuple) else w2)
+            x = block(x, scale, mask=mask)[0]
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["sparsegpt:2:4,blocksize=8", "wanda:2:4"])
+def test_cached_blocks_give_the_sequential_weights_in_the_order_the_blocks_run(recipe):
+    torch.manual_seed(0)
+    model = Chained(order=[2, 0, 1]).eval()
+    want = reference(model, batches(), recipe)
+    nmcompile.annotate(model, recipe)
+    done = []
+    report = nmcompile.finalize(model, calibration=batches(), sequential=True, calibration_options=AOT,
+                                progress=lambda k, total, note: done.append((k, total, note.split()[0])))
+    assert "each block ran alone on its cached inputs" in report.calibration
+    assert done == [(1, 3, "layers.2"), (2, 3, "layers.0"), (3, 3, "layers.1")]
+    for (name, got), theirs in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(got, theirs, rtol=1e-4, atol=1e-4, msg=name)
+    assert nmcompile.check(model).ok
+
+
+def test_cached_blocks_match_rerunning_the_model_before_each_block():
+    torch.manual_seed(1)
+    cached = Chained().eval()
+    rerun = copy.deepcopy(cached)
+    for model in (cached, rerun):
+        nmcompile.annotate(model, "sparsegpt:2:4,blocksize=8")
+    nmcompile.finalize(cached, calibration=batches(), sequential=True, calibration_options=AOT)
+    compiled = torch.compile(rerun, backend="nmsparse", options=AOT)
+
+    def calibration():
+        with torch.no_grad():
+            for b in batches():
+                compiled(b)
+
+    report = nmcompile.finalize(rerun, calibration=calibration, sequential=True)
+    assert report.calibration == "sequential, as asked"
+    for (name, a), b in zip(cached.named_parameters(), rerun.parameters()):
+        assert torch.equal(a == 0, b == 0), name  # the same masks
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class Unchained(nn.Module):
+    """The activation sits between the blocks: a block's input is not the block before it's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_blocks_that_do_not_chain_fall_back_to_rerunning_the_model_and_say_why():
+    torch.manual_seed(2)
+    model = Unchained().eval()
+    data = [torch.randn(20, 16) for _ in range(2)]
+    want = copy.deepcopy(model)
+    with torch.no_grad():
+        x = torch.cat(data)
+        for layer in want.layers:
+            layer.weight.copy_(ref.wanda(layer.weight, x, 2, 4))
+            x = torch.tanh(layer(x))
+    nmcompile.annotate(model, "wanda:2:4")
+    report = nmcompile.finalize(model, calibration=data, sequential=True, calibration_options=AOT)
+    assert "the model ran again before each block (the input of layers.1 is not the output of layers.0" in report.calibration
+    for a, b in zip(model.parameters(), want.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_an_error_in_a_later_block_names_the_blocks_already_written():
+    torch.manual_seed(3)
+    model = Chained().eval()
+    model.layers[1].poison.fill_(float("nan"))
+    dense = copy.deepcopy(model)
+    nmcompile.annotate(model, "sparsegpt:2:4")
+    with pytest.raises(ValueError, match=r"(?s)layers.1.fc1.weight.*not finite.*1 of 3 blocks were already pruned and "
+                                         r"written in place \(layers.0 .. layers.0\)"):
+        nmcompile.finalize(model, calibration=batches(), sequential=True, calibration_options=AOT)
+    assert not torch.equal(model.layers[0].fc1.weight, dense.layers[0].fc1.weight)
+    assert torch.equal(model.layers[2].fc1.weight, dense.layers[2].fc1.weight)
+    assert all(int(c) >= 0 for n, c in model.named_buffers() if n.endswith("_count"))
+
+
+def test_large_activations_spill_to_disk_and_give_the_same_weights(monkeypatch):
+    torch.manual_seed(4)
+    model = Chained().eval()
+    other = copy.deepcopy(model)
+    for m in (model, other):
+        nmcompile.annotate(m, "wanda:2:4")
+    nmcompile.finalize(model, calibration=batches(), sequential=True, calibration_options=AOT)
+    monkeypatch.setattr(sequential, "SPILL_FRACTION", 0.0)
+    spilled = []
+    real = sequential._Activations._spill
+    monkeypatch.setattr(sequential._Activations, "_spill", lambda self, t: spilled.append(1) or real(self, t))
+    nmcompile.finalize(other, calibration=batches(), sequential=True, calibration_options=AOT)
+    assert spilled
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_default_form_is_chosen_by_memory_and_named(monkeypatch):
+    model = Chained().eval()
+    nmcompile.annotate(model, "wanda:2:4")
+    report = nmcompile.finalize(copy.deepcopy(model), calibration=batches(), calibration_options=AOT)
+    assert report.calibration.startswith("one pass: every weight's statistics fit")
+    monkeypatch.setattr(sequential, "available_bytes", lambda: 1000)
+    report = nmcompile.finalize(model, calibration=batches(), calibration_options=AOT)
+    assert report.calibration.startswith("sequential: one pass would hold every weight's statistics at once")
+
+
+def test_calibration_batches_of_the_wrong_kind_are_named():
+    model = Chained().eval()
+    nmcompile.annotate(model, "wanda:2:4")
+    with pytest.raises(TypeError, match=r"one batch: pass \[batch\]"):
+        nmcompile.finalize(model, calibration=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="got no batches"):
+        nmcompile.finalize(model, calibration=[])
