@@ -92,11 +92,14 @@ def _prune(args) -> int:
         summary = prune_model(
             args.model, args.recipe, args.calibration, args.out, held_out=args.held_out, seq_len=args.seq_len,
             samples=args.samples, batch_size=args.batch, sequential=args.sequential, include=args.include,
-            exclude=args.exclude, tokenizer=args.tokenizer,
-            inner=args.inner, progress=not args.quiet,
+            exclude=args.exclude, tokenizer=args.tokenizer, inner=args.inner, dtype=args.dtype,
+            overwrite=args.overwrite, progress=not args.quiet,
         )
     except (ImportError, ValueError, OSError, RuntimeError) as err:
         print(f"nmcompile prune: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # anything else still ends in one line, with its type, not a traceback
+        print(f"nmcompile prune: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary))
     return 0
@@ -158,7 +161,8 @@ def main(argv=None) -> int:
         "tokenises the calibration text with its tokenizer, runs it through torch.compile(backend='nmsparse') with "
         "the recipe declared (the graph gathers each weight's input statistics), solves with nmcompile.finalize, "
         "checks N:M, saves a Hugging Face directory (safetensors) or model.pt plus model_packed.pt (2:4 packed), and "
-        "prints the held-out loss before and after. No network access. Exit status 2 on bad input.",
+        "prints the held-out loss before and after. The output is written to a temporary folder and renamed at the end. "
+        "No network access. Exit status 2 on bad input.",
     )
     p.add_argument("model", help="a local Hugging Face model directory, or a .pt file of a torch.save'd model")
     p.add_argument("--recipe", default="sparsegpt:2:4", help="wanda:N:M or sparsegpt:N:M[,blocksize=..,percdamp=..,"
@@ -170,15 +174,22 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per calibration window (default 128)")
     p.add_argument("--samples", type=int, default=128, help="calibration windows at most (default 128)")
     p.add_argument("--batch", type=int, default=8, help="windows per forward (default 8)")
-    p.add_argument("--sequential", action="store_true", help="calibrate each block on the outputs of the blocks "
-                   "already pruned (one calibration pass per block; see docs/recipes.md)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--sequential", action="store_true", default=None, help="calibrate each block on the outputs of "
+                      "the blocks already pruned (about one forward pass: each block runs alone on its cached inputs)")
+    form.add_argument("--one-pass", dest="sequential", action="store_false", help="calibrate every weight in one pass "
+                      "(default: one pass unless its statistics would take more than half the memory available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the loaded and written model (default auto: the checkpoint's own)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out that nmcompile prune did not "
+                   "write (an earlier prune's output is replaced without it)")
     p.add_argument("--include", action="append", metavar="GLOB", help="prune only these weights (repeatable)")
     p.add_argument("--exclude", action="append", metavar="GLOB", help="leave these dense (repeatable; output "
                    "heads and MoE routers stay dense by default: see the README)")
     p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (for a .pt model)")
-    p.add_argument("--inner", default=None, help="inner compiler for the calibration graph (default: aot_eager, "
-                   "no Inductor compile for a one-time run; with --sequential, inductor, which updates the statistics "
-                   "in place so that one block's are resident at a time)")
+    p.add_argument("--inner", default=None, help="inner compiler for the calibration graphs (default: aot_eager for "
+                   "one pass, no Inductor compile for a one-time run; inductor for each block of a sequential one, "
+                   "which updates the statistics in place)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_prune)
     args = parser.parse_args(argv)

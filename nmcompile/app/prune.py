@@ -9,15 +9,26 @@ tokenizer (a ``.pt`` model: ``--tokenizer DIR``, its ``chars`` attribute for a c
 ``.pt`` file of token ids instead of text) and cut into ``--samples`` windows of ``--seq-len`` tokens;
 held-out text (``--held-out``, else the last tenth of the calibration text, never calibrated on) gives
 the evaluation loss before and after. The model is declared with the recipe (:func:`nmcompile.annotate`),
-compiled with the ``nmsparse`` backend, run over the windows with a progress bar, solved by
-:func:`nmcompile.finalize`, checked N:M, and saved: a Hugging Face directory (safetensors, loadable
-without nmcompile) or ``model.pt``, plus ``model_packed.pt`` with the 2:4 weights packed.
+calibrated and solved by :func:`nmcompile.finalize` (one pass, or sequentially block by block on
+cached block inputs when one pass's statistics would not fit in memory: the summary says which and
+why), checked N:M, and saved: a Hugging Face directory (safetensors, loadable without nmcompile) or
+``model.pt``, plus ``model_packed.pt`` with the 2:4 weights packed.
+
+The model keeps its own dtype (a bf16 checkpoint is calibrated and written in bf16; each weight's
+solve runs in float32); ``dtype`` overrides it. The output is written to a temporary folder beside
+``out`` and renamed at the end, so an interrupted prune leaves no folder that looks complete; ``out``
+may not be the input model (or hold it), and a non-empty ``out`` that is not an earlier output of
+``nmcompile prune`` is refused unless ``overwrite``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -43,9 +54,16 @@ class PruneSummary:
     files: list[str]
     fallbacks: dict[str, list[str]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    calibration: str = ""  # one pass or sequential, and why
+    dtype: str = ""  # of the written weights
 
 
-def _load(path: str, tokenizer_dir: str | None):
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: the folder's record of a prune (also how a later prune knows it may replace the folder)
+RECORD = "nmcompile-prune.json"
+
+
+def _load(path: str, tokenizer_dir: str | None, dtype: str = "auto"):
     """``(model, encode, kind)``; ``encode(text) -> 1-D int64 ids`` (None: only id files)."""
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
@@ -55,8 +73,14 @@ def _load(path: str, tokenizer_dir: str | None):
         except ImportError as err:
             raise ImportError("nmcompile prune on a Hugging Face directory needs transformers (pip install "
                               "transformers)") from err
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir or path, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                                  dtype=DTYPES[dtype] or "auto")
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir or path, local_files_only=True)
+        except (OSError, ValueError, TypeError) as err:
+            raise ValueError(f"{tokenizer_dir or path}: no tokenizer could be loaded ({str(err).splitlines()[0]}); give "
+                             "--tokenizer DIR (a Hugging Face tokenizer folder) or a .pt calibration file of token "
+                             "ids") from err
         return model, lambda text: torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long), ("hf", tokenizer)
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such model directory or file")
@@ -64,6 +88,8 @@ def _load(path: str, tokenizer_dir: str | None):
     if not isinstance(model, nn.Module):
         raise ValueError(f"{path} holds a {type(model).__name__}, not a torch.save'd nn.Module; save the whole model "
                          "(torch.save(model, path)) or give a Hugging Face directory")
+    if DTYPES[dtype] is not None:
+        model = model.to(DTYPES[dtype])
     if tokenizer_dir is not None:
         import transformers
 
@@ -85,8 +111,13 @@ def _ids(path: str, encode) -> torch.Tensor:
     if encode is None:
         raise ValueError(f"{path}: this model has no tokenizer; give --tokenizer DIR (a Hugging Face tokenizer) or a "
                          ".pt file of token ids")
-    with open(path, encoding="utf-8") as handle:
-        return encode(handle.read())
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); convert it (iconv -t utf-8) or "
+                         "give a .pt file of token ids") from err
+    return encode(text)
 
 
 def _windows(ids: torch.Tensor, seq_len: int, samples: int | None) -> list[torch.Tensor]:
@@ -96,32 +127,105 @@ def _windows(ids: torch.Tensor, seq_len: int, samples: int | None) -> list[torch
     return [ids[i * seq_len:(i + 1) * seq_len] for i in range(count)]
 
 
-def _logits(model, batch):
-    out = model(batch)
+def _inputs(batch: torch.Tensor, kind: str):
+    """A calibration batch as the model takes it (a Hugging Face model: no key/value cache)."""
+    return {"input_ids": batch, "use_cache": False} if kind == "hf" else batch
+
+
+def _logits(model, batch, kind: str = "pt"):
+    from ..deploy.sequential import run_batch
+
+    out = run_batch(model, _inputs(batch, kind))
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def _loss(model, windows, batch_size: int) -> float:
+#: float32 logits held at once by the loss (a 128k vocabulary at 512 tokens is 262 MB a window)
+LOGIT_BYTES = 1 << 28
+
+
+def _vocab(model) -> int | None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return getattr(out, "out_features", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def _loss(model, windows, batch_size: int, kind: str = "pt") -> float:
     total, tokens = 0.0, 0
     model.eval()
+    vocab = _vocab(model) or 1
+    batch_size = max(1, min(batch_size, LOGIT_BYTES // (4 * vocab * len(windows[0]))))
     with torch.no_grad():
         for i in range(0, len(windows), batch_size):
             batch = torch.stack(windows[i:i + batch_size])
-            logits = _logits(model, batch)[:, :-1].float()
+            logits = _logits(model, batch, kind)[:, :-1].float()
             total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
             tokens += batch[:, 1:].numel()
     return total / max(tokens, 1)
 
 
+def _positions(model) -> int | None:
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _check_numbers(seq_len: int, samples: int | None, batch_size: int) -> None:
+    for flag, value, low in (("--seq-len", seq_len, 2), ("--batch", batch_size, 1), ("--samples", samples, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} {value}: must be at least {low}")
+
+
+def _check_ids(model, ids: torch.Tensor, seq_len: int, where: str) -> None:
+    positions = _positions(model)
+    if positions is not None and seq_len > positions:
+        raise ValueError(f"--seq-len {seq_len} is longer than the model's {positions} positions; give --seq-len "
+                         f"{positions} or less")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and len(ids) and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        raise ValueError(f"{where}: token ids from {int(ids.min())} to {int(ids.max())}, but the model's vocabulary has "
+                         f"{vocab} (ids 0 to {vocab - 1}); the ids were made by another tokenizer")
+
+
+def _output_folder(out: str, model_path: str, overwrite: bool) -> None:
+    """Refuse an ``out`` that would lose data: the input model itself, a folder holding it, or a
+    non-empty folder that no earlier ``nmcompile prune`` wrote (unless ``overwrite``)."""
+    real_out, real_model = os.path.realpath(out), os.path.realpath(model_path)
+    if real_out == real_model or real_model.startswith(real_out + os.sep) or real_out.startswith(real_model + os.sep):
+        raise ValueError(f"--out {out} is (or holds, or is inside) the input model {model_path}: the dense model would "
+                         "be overwritten; give another folder")
+    if os.path.isfile(out):
+        raise ValueError(f"--out {out} is a file; give a folder")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite and not os.path.exists(os.path.join(out, RECORD)):
+        raise ValueError(f"--out {out} is a non-empty folder that nmcompile prune did not write; give an empty or new "
+                         "folder, or --overwrite to replace it whole")
+
+
+def _replace_folder(tmp: str, out: str) -> None:
+    """``tmp`` becomes ``out``; what ``out`` held before is removed only once ``tmp`` is in place."""
+    old = None
+    if os.path.lexists(out):
+        old = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out)), prefix=f".{os.path.basename(out)}.old-")
+        os.rmdir(old)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, held_out: str | None = None,
-                seq_len: int = 128, samples: int | None = 128, batch_size: int = 8, sequential: bool = False,
+                seq_len: int = 128, samples: int | None = 128, batch_size: int = 8, sequential: bool | None = None,
                 include=None, exclude=None, tokenizer: str | None = None, inner: str | None = None,
-                progress: bool = True) -> PruneSummary:
-    """Prune ``model_path`` in one shot with ``recipe`` (``wanda`` or ``sparsegpt``); see the module doc."""
+                dtype: str = "auto", overwrite: bool = False, progress: bool = True) -> PruneSummary:
+    """Prune ``model_path`` in one shot with ``recipe`` (``wanda`` or ``sparsegpt``); see the module doc.
+    ``sequential``: None chooses by memory (see :func:`nmcompile.finalize`)."""
     from ..declare.annotate import annotate
     from ..deploy.finalize import finalize
     from ..deploy.inspection import check as check_nm
-    from ..kernels.packed import pack_state_dict
     from ..recipes import parse
 
     start = time.perf_counter()
@@ -129,68 +233,94 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     if not parsed.calibrated:
         raise ValueError(f"nmcompile prune takes a one-shot recipe (wanda, sparsegpt), not {parsed}; recipes that "
                          "train go through your training loop (see docs/recipes.md)")
-    model, encode, (kind, hf_tokenizer) = _load(model_path, tokenizer)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: accepted are {', '.join(DTYPES)}")
+    _check_numbers(seq_len, samples, batch_size)
+    _output_folder(out, model_path, overwrite)
+    model, encode, (kind, hf_tokenizer) = _load(model_path, tokenizer, dtype)
     ids = _ids(calibration, encode)
     if held_out is None:
         split = int(0.9 * len(ids))
         ids, held = ids[:split], ids[split:]
     else:
         held = _ids(held_out, encode)
+    _check_ids(model, ids, seq_len, calibration)
+    _check_ids(model, held, seq_len, held_out or calibration)
     calib, evals = _windows(ids, seq_len, samples), _windows(held, seq_len, None)
     if not calib:
         raise ValueError(f"{calibration}: {len(ids)} calibration tokens make no window of --seq-len {seq_len}; give "
                          "more text or a shorter --seq-len")
     if not evals:
-        raise ValueError(f"held-out text: {len(held)} tokens make no window of --seq-len {seq_len}")
+        raise ValueError(f"held-out text: {len(held)} tokens make no window of --seq-len {seq_len}; give --held-out "
+                         "FILE or more calibration text")
     model.eval()
-    loss_before = _loss(model, evals, batch_size)
+    loss_before = _loss(model, evals, batch_size, kind)
     report = annotate(model, parsed, include=include, exclude=list(exclude) if exclude else None)
     if not report.annotated:
         raise ValueError(f"no weight of {model_path} takes {parsed}: {report}")
-    if inner is None:  # aot_eager copies every statistics buffer back at each call: all would be resident
-        inner = "inductor" if sequential else "aot_eager"
-    compiled = torch.compile(model, backend="nmsparse", options={"inner": inner})
-    batches = [torch.stack(calib[i:i + batch_size]) for i in range(0, len(calib), batch_size)]
-    passes = [0]
+    batches = [_inputs(torch.stack(calib[i:i + batch_size]), kind) for i in range(0, len(calib), batch_size)]
+    bar: list[Progress] = []
 
-    def run_calibration():
-        passes[0] += 1
-        bar = Progress(len(batches), f"calibrating (pass {passes[0]})", enabled=progress)
-        with torch.no_grad():
-            for i, batch in enumerate(batches):
-                compiled(batch)
-                bar.update(i + 1)
-        bar.close()
+    def on_block(done: int, total: int, note: str) -> None:
+        if not bar:
+            bar.append(Progress(total, "sequential one-shot, blocks", enabled=progress))
+        bar[0].update(done, note)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*recipe state for")
-        finalized = finalize(model, calibration=run_calibration, sequential=sequential)
+        finalized = finalize(model, calibration=batches, sequential=sequential,
+                             calibration_options={"inner": inner} if inner else None, progress=on_block)
+    if bar:
+        bar[0].close()
     check = check_nm(model)
     if not check.ok:
         raise RuntimeError(f"nmcompile prune: the pruned model is not {parsed.pattern}:\n{check}")
-    loss_after = _loss(model, evals, batch_size)
-    os.makedirs(out, exist_ok=True)
+    loss_after = _loss(model, evals, batch_size, kind)
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.partial-")
+    try:
+        names = _write(model, kind, hf_tokenizer, parsed, tmp)
+        summary = PruneSummary(str(parsed), sorted(finalized), loss_before, loss_after, sum(len(w) for w in calib),
+                               sum(len(w) for w in evals), time.perf_counter() - start,
+                               [os.path.join(out, name) for name in names], dict(finalized.fallbacks),
+                               dict(report.skipped), finalized.calibration, str(_dtype_of(model)).replace("torch.", ""))
+        with open(os.path.join(tmp, RECORD), "w") as handle:
+            json.dump({"source": os.path.abspath(model_path), **dataclasses.asdict(summary)}, handle, indent=1)
+        _replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def _dtype_of(model) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _write(model, kind: str, hf_tokenizer, parsed, folder: str) -> list[str]:
+    """Write the pruned model into ``folder``; the names of what was written."""
+    from ..kernels.packed import pack_state_dict
+
     files = []
     if kind == "hf":
-        model.save_pretrained(out, safe_serialization=True)
-        hf_tokenizer.save_pretrained(out)
-        files.append(out)
+        model.save_pretrained(folder, safe_serialization=True)
+        hf_tokenizer.save_pretrained(folder)
+        files.append("")
     else:
-        torch.save(model, os.path.join(out, "model.pt"))
-        files.append(os.path.join(out, "model.pt"))
+        torch.save(model, os.path.join(folder, "model.pt"))
+        files.append("model.pt")
     if (parsed.n, parsed.m) == (2, 4):
-        packed = os.path.join(out, "model_packed.pt")
-        torch.save(pack_state_dict(model.state_dict()), packed)
-        files.append(packed)
-    return PruneSummary(str(parsed), sorted(finalized), loss_before, loss_after, sum(len(w) for w in calib),
-                        sum(len(w) for w in evals), time.perf_counter() - start, files, dict(finalized.fallbacks),
-                        dict(report.skipped))
+        torch.save(pack_state_dict(model.state_dict()), os.path.join(folder, "model_packed.pt"))
+        files.append("model_packed.pt")
+    return files
 
 
 def format_summary(s: PruneSummary) -> str:
     lines = [
         f"nmcompile prune: {len(s.pruned)} weights pruned {s.recipe} from {s.calibration_tokens} calibration tokens "
-        f"in {s.seconds:.1f}s",
+        f"in {s.seconds:.1f}s ({s.dtype})",
+        f"  calibration: {s.calibration}",
         f"  held-out loss ({s.held_out_tokens} tokens): dense {s.loss_before:.4f} (ppl {math.exp(min(s.loss_before, 50)):.2f})"
         f" -> pruned {s.loss_after:.4f} (ppl {math.exp(min(s.loss_after, 50)):.2f})",
     ]

@@ -131,7 +131,8 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             pass's statistics would take more than half the memory available, else one pass; the
             choice and why are in ``report.calibration``.
         calibration_options: ``nmsparse`` backend options of the graphs finalize compiles for
-            calibration batches (default: Inductor).
+            calibration batches (default inner compiler: ``aot_eager`` for one pass, Inductor for each
+            block of a sequential solve, which updates the statistics in place).
         progress: ``progress(done, total, note)``, called after each block of a sequential solve.
 
     One-shot weights are solved first (:mod:`nmcompile.deploy.oneshot`); what was done instead of the
@@ -246,7 +247,8 @@ def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, repo
     sequential, report.calibration = _calibration_form(model, sequential, calibration is not None)
 
     def run_batches():
-        compiled = torch.compile(model, backend="nmsparse", options=dict(options or {}))
+        # aot_eager by default: no Inductor compile of the whole model for a one-time run
+        compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", **(options or {})})
         with torch.no_grad():
             for batch in batches:
                 cached.run_batch(compiled, batch)

@@ -192,3 +192,44 @@ def test_calibration_batches_of_the_wrong_kind_are_named():
         nmcompile.finalize(model, calibration=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="got no batches"):
         nmcompile.finalize(model, calibration=[])
+
+
+def hf_model(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False)
+        return transformers.GPT2LMHeadModel(config).eval()
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)).eval()
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)).eval()
+    config = transformers.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "mixtral"])
+def test_hugging_face_blocks_run_alone_and_match_rerunning_the_model(kind):
+    cached = hf_model(kind)
+    rerun = copy.deepcopy(cached)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (4, 16), generator=g), "use_cache": False} for _ in range(2)]
+    for model in (cached, rerun):
+        nmcompile.annotate(model, "sparsegpt:2:4,blocksize=8")
+    report = nmcompile.finalize(cached, calibration=data, sequential=True, calibration_options=AOT)
+    assert "each block ran alone on its cached inputs" in report.calibration, report.calibration
+    compiled = torch.compile(rerun, backend="nmsparse", options=AOT)
+
+    def calibration():
+        with torch.no_grad():
+            for batch in data:
+                compiled(**batch)
+
+    nmcompile.finalize(rerun, calibration=calibration, sequential=True)
+    assert nmcompile.check(cached).ok
+    for (name, a), b in zip(cached.named_parameters(), rerun.parameters()):
+        assert float((a == 0).ne(b == 0).float().mean()) < 0.01, name  # the same masks, but for float ties
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=name)
