@@ -96,3 +96,104 @@ def test_prune_refuses_bad_input_with_one_line(tmp_path, capsys):
     assert code == 2 and "takes a one-shot recipe (wanda, sparsegpt), not asp" in capsys.readouterr().err
     code = main(["prune", str(tmp_path / "m.pt"), "--calibration", str(tmp_path / "calib.txt"), "--out", str(tmp_path / "o")])
     assert code == 2 and "this model has no tokenizer" in capsys.readouterr().err
+
+
+def prune(tmp_path, path, out, *extra):
+    return main(["prune", str(path), "--recipe", "wanda:2:4", "--calibration", str(tmp_path / "calib.txt"), "--out",
+                 str(out), "--seq-len", "32", "--samples", "4", "--quiet", *extra])
+
+
+@pytest.mark.slow
+def test_prune_never_writes_over_its_input_or_a_foreign_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tiny_gpt2_dir(tmp_path)
+    before = (path / "model.safetensors").read_bytes()
+    assert prune(tmp_path, path, path) == 2
+    assert "is (or holds, or is inside) the input model" in capsys.readouterr().err
+    assert (path / "model.safetensors").read_bytes() == before
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "pytorch_model.bin").write_text("another model")
+    assert prune(tmp_path, path, foreign) == 2
+    assert "non-empty folder that nmcompile prune did not write" in capsys.readouterr().err
+    assert (foreign / "pytorch_model.bin").read_text() == "another model"
+    # --overwrite replaces it whole: nothing of the other model stays beside the new one
+    assert prune(tmp_path, path, foreign, "--overwrite") == 0, capsys.readouterr().err
+    assert not (foreign / "pytorch_model.bin").exists() and (foreign / "model.safetensors").exists()
+    # an earlier prune's folder is replaced whole without --overwrite; a stale file does not survive
+    (foreign / "stale.pt").write_text("x")
+    assert prune(tmp_path, path, foreign) == 0, capsys.readouterr().err
+    assert not (foreign / "stale.pt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.slow
+def test_an_interrupted_prune_leaves_no_folder_that_looks_complete(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from nmcompile.app import prune as prune_module
+
+    path = tiny_gpt2_dir(tmp_path)
+    out = tmp_path / "out"
+    assert prune(tmp_path, path, out) == 0
+    written = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def interrupted(model, kind, tokenizer, parsed, folder):
+        model.save_pretrained(folder, safe_serialization=True)  # the weights, then the interrupt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prune_module, "_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prune(tmp_path, path, out, "--recipe", "sparsegpt:2:4")
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == written  # the earlier output, whole
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+@pytest.mark.slow
+def test_prune_keeps_a_bf16_model_in_bf16(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    path = tiny_gpt2_dir(tmp_path)
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    assert prune(tmp_path, path, tmp_path / "out") == 0
+    assert "(bfloat16)" in capsys.readouterr().out
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert prune(tmp_path, path, tmp_path / "out32", "--dtype", "float32") == 0
+    with safe_open(str(tmp_path / "out32" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "128"], "--seq-len 128 is longer than the model's 64 positions"),
+    (["--seq-len", "0"], "--seq-len 0: must be at least 2"),
+    (["--batch", "0"], "--batch 0: must be at least 1"),
+    (["--samples", "0"], "--samples 0: must be at least 1"),
+])
+def test_prune_names_bad_numbers(tmp_path, capsys, monkeypatch, extra, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tiny_gpt2_dir(tmp_path)
+    assert prune(tmp_path, path, tmp_path / "out", *extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_prune_names_bad_calibration_files(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tiny_gpt2_dir(tmp_path)
+    torch.save(torch.arange(1000) % 500, tmp_path / "ids.pt")
+    code = main(["prune", str(path), "--calibration", str(tmp_path / "ids.pt"), "--out", str(tmp_path / "o"),
+                 "--seq-len", "32", "--quiet"])
+    assert code == 2 and "token ids from 0 to 499, but the model's vocabulary has 96" in capsys.readouterr().err
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 400)
+    code = main(["prune", str(path), "--calibration", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "o"),
+                 "--seq-len", "32", "--quiet"])
+    assert code == 2 and "not UTF-8 text" in capsys.readouterr().err
+    (path / "tokenizer.json").unlink()
+    code = main(["prune", str(path), "--calibration", str(tmp_path / "calib.txt"), "--out", str(tmp_path / "o"),
+                 "--seq-len", "32", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no tokenizer could be loaded" in err and "--tokenizer DIR" in err, err
