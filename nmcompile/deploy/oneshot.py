@@ -207,9 +207,11 @@ def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
     items = {name: (places, ann) for name, places, ann in calibrated(model)}
     counts = {name: state_of(places[0][1], places[0][2], ann)[1] for name, (places, ann) in items.items()}
     solved: dict[str, Solved] = {}
+    groups = blocks(list(items))
+    written: list[str] = []
     reset(model)  # earlier statistics would not be used: give their memory back first
     try:
-        for block in blocks(list(items)):
+        for block in groups:
             reset(model, block)
             with torch.no_grad():
                 for name in items:
@@ -230,6 +232,13 @@ def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
                     # the parameter now holds it: no second copy of each solved weight grows with depth
                     solved[name] = Solved(full(places[0][1]._parameters[places[0][2]].detach()), result.notes)
             reset(model, block)  # solved: its statistics' memory goes back before the next block's pass
+            found = re.match(r"(.*?\.\d+)\.", block[0])
+            written.append(found.group(1) if found else block[0])
+    except BaseException as err:
+        from .sequential import half_written
+
+        half_written(err, written, len(groups))
+        raise
     finally:
         with torch.no_grad():  # no count stays paused (negative), whatever happened
             for count in counts.values():

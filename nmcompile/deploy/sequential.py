@@ -271,17 +271,22 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
         with torch.no_grad():  # no count stays paused (negative), whatever happened
             for name, (places, ann) in items.items():
                 state_of(places[0][1], places[0][2], ann)[1].clamp_(min=0)
-        if written and isinstance(err, ValueError):
-            what = (f"{len(written)} of {len(order)} blocks were already pruned and written in place ({written[0]} .. "
-                    f"{written[-1]}); the rest are unchanged and still declared; reload the dense model before "
-                    "trying again")
-            message = str(err)
-            raise ValueError(message.replace("nothing was changed", what) if "nothing was changed" in message
-                             else f"{message}\nnmcompile.finalize (sequential): {what}") from err
+        half_written(err, written, len(order))
         raise
     finally:
         inputs.close()
     return solved
+
+
+def half_written(err: BaseException, written: list[str], total: int) -> None:
+    """Raise ``err`` again, as a ValueError that names the blocks already written, when some were."""
+    if written and isinstance(err, ValueError):
+        what = (f"{len(written)} of {total} blocks were already pruned and written in place ({written[0]} .. "
+                f"{written[-1]}); the rest are unchanged and still declared; reload the dense model before trying "
+                "again")
+        message = str(err)
+        raise ValueError(message.replace("nothing was changed", what) if "nothing was changed" in message
+                         else f"{message}\nnmcompile.finalize (sequential): {what}") from err
 
 
 def _prefix(name: str) -> str | None:

@@ -233,3 +233,20 @@ def test_hugging_face_blocks_run_alone_and_match_rerunning_the_model(kind):
     for (name, a), b in zip(cached.named_parameters(), rerun.parameters()):
         assert float((a == 0).ne(b == 0).float().mean()) < 0.01, name  # the same masks, but for float ties
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_an_error_in_a_later_block_of_the_rerun_form_names_the_blocks_already_written():
+    torch.manual_seed(3)
+    model = Chained().eval()
+    model.layers[1].poison.fill_(float("nan"))
+    nmcompile.annotate(model, "sparsegpt:2:4")
+    compiled = torch.compile(model, backend="nmsparse", options=AOT)
+
+    def calibration():
+        with torch.no_grad():
+            for b in batches():
+                compiled(b)
+
+    with pytest.raises(ValueError, match=r"(?s)layers.1.fc1.weight.*not finite.*1 of 3 blocks were already pruned and "
+                                         r"written in place \(layers.0 .. layers.0\)"):
+        nmcompile.finalize(model, calibration=calibration, sequential=True)
