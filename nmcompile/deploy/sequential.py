@@ -217,7 +217,7 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
 
     ``batches``: the calibration batches (a list). ``options``: the ``nmsparse`` backend options of
     each block's graph (default: Inductor, which updates the statistics in place). ``progress``:
-    ``progress(done, total, note)`` after each block. Returns ``{name: Solved}``; raises
+    ``progress(done, total, note)`` once the inputs are caught and after each block. Returns ``{name: Solved}``; raises
     :class:`Unchained` (nothing changed) where the blocks do not form a chain."""
     items = {name: (places, ann) for name, places, ann in oneshot.calibrated(model)}
     groups = oneshot.blocks(list(items))
@@ -233,6 +233,8 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
     written: list[str] = []
     start = time.perf_counter()
     oneshot.reset(model)  # statistics gathered before would not be used
+    if progress is not None:
+        progress(0, len(order), "inputs caught")
     try:
         for k, prefix in enumerate(order):
             block, names = model.get_submodule(prefix), of_prefix[prefix]
