@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import time
@@ -260,7 +259,8 @@ def main(argv=None) -> int:
     except (FileExistsError, ValueError) as err:
         print(f"make_models: {err}", file=sys.stderr)
         return 2
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/status") as f:  # VmHWM: ru_maxrss would carry a parent's peak across exec
+        peak = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
     print(f"wrote {done['parameters'] / 1e6:.1f} M parameters, {done['bytes'] / 1e6:.1f} MB in {len(done['files'])} "
           f"file(s), tokenizer of {done['tokenizer_vocab']} ids, in {done['seconds']:.1f} s; peak RSS of this "
           f"process {peak:.0f} MB")
