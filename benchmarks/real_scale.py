@@ -109,11 +109,12 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 def load_24(path: str, dtype: torch.dtype) -> tuple[nn.Module, dict]:
     """The 2:4 model the benchmark runs, and how long each step took.
 
-    Today: the dense directory loaded, every decoder linear pruned 2:4 by magnitude,
-    ``nmcompile.finalize(model, pattern="2:4")`` (records them; the tied or untied output head and the
-    embedding stay dense) and ``nmcompile.deploy.pack_weights`` (packed-only weights, each shape's
-    token range timed against dense: the dispatch). The one place to switch to a loader of pruned
-    directories (``nmcompile.deploy.load_pretrained(path, packed=True)``) once it lands.
+    Today: the dense directory loaded, then block by block every decoder linear pruned 2:4 by
+    magnitude (into a new tensor), ``nmcompile.finalize(block, pattern="2:4")`` (records them) and
+    ``nmcompile.deploy.pack_weights(block)`` (packed-only weights; each shape's token range timed
+    against dense once: the dispatch), so that one block's pruned dense weights exist at a time. The
+    embedding and the output head, tied or not, stay dense. The one place to switch to a loader of
+    pruned directories (``nmcompile.deploy.load_pretrained(path, packed=True)``) once it lands.
     """
     import nmcompile
     from nmcompile.deploy import pack_weights
@@ -121,22 +122,31 @@ def load_24(path: str, dtype: torch.dtype) -> tuple[nn.Module, dict]:
     start = time.perf_counter()
     model = load_dense(path, dtype)
     loaded = time.perf_counter()
-    with torch.no_grad():
-        for _, m in decoder_linears(model):
-            m.weight.copy_(nmcompile.masks.prune(m.weight, 2, 4, 1))
-    report = nmcompile.finalize(model, pattern="2:4")
-    pruned = time.perf_counter()
-    decisions = pack_weights(model)
-    packed = time.perf_counter()
+    blocks: dict[str, list[nn.Linear]] = {}
+    for name, m in decoder_linears(model):
+        blocks.setdefault(name.rsplit(".layers.", 1)[0] + ".layers." + name.rsplit(".layers.", 1)[1].split(".")[0],
+                          []).append(m)
+    prune_s = pack_s = 0.0
+    finalized, decisions = 0, {}
+    for prefix, linears in blocks.items():
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for m in linears:  # a new tensor: the loaded weight may be a view of a mapped shard
+                m.weight = nn.Parameter(nmcompile.masks.prune(m.weight, 2, 4, 1), requires_grad=False)
+        block = model.get_submodule(prefix)
+        finalized += len(nmcompile.finalize(block, pattern="2:4"))
+        t1 = time.perf_counter()
+        decisions.update({f"{prefix}.{k}": d for k, d in pack_weights(block).items()})
+        prune_s, pack_s = prune_s + t1 - t0, pack_s + time.perf_counter() - t1
     before = rss_mb()
     with torch.no_grad():  # the weights left dense (embedding, norms) into memory of their own: loaded
-        for p in model.parameters():  # from bf16 files they are views of the mapped shards, which would
-            if not hasattr(p, "nbytes_packed"):  # keep every page the pruning touched resident
+        for p in model.parameters():  # from bf16 files they are views of the mapped shards
+            if not hasattr(p, "nbytes_packed"):
                 p.data = p.data.clone()
-    release()  # the dense weights pack_weights replaced: mostly below malloc's mmap threshold
-    info = {"load_s": loaded - start, "prune_s": pruned - loaded, "pack_s": packed - pruned,
-            "rss_mb_freed": before - rss_mb(),
-            "finalized": len(report), "left_dense": sorted(report.dense),
+    release()  # the dense weights pack_weights replaced below malloc's mmap threshold
+    info = {"load_s": loaded - start, "prune_s": prune_s, "pack_s": pack_s, "rss_mb_freed": before - rss_mb(),
+            "finalized": finalized,
+            "left_dense": [n for n, p in model.named_parameters() if p.dim() >= 2 and not hasattr(p, "nbytes_packed")],
             "packed": sum(d.kernel == "cpu24" for d in decisions.values()),
             "not_packed": {k: d.reason for k, d in decisions.items() if d.kernel != "cpu24"},
             "ranges": sorted({d.token_range for d in decisions.values() if d.kernel == "cpu24"})}
