@@ -27,8 +27,8 @@ temporary folder when no ``--model`` is given. ``--only`` picks parts (default: 
              that first call's, marked so.
              Dense and 2:4 are timed in one process, interleaved, where both fit in ``--max-gb``
              (default 90% of the memory available at start); else one after the other ("apart").
-             The 2:4 model: :func:`load_24` (load the dense directory, prune every decoder linear
-             2:4 by magnitude, ``finalize(pattern="2:4")``, ``pack_weights``).
+             The 2:4 model: :func:`load_24` (the dense directory loaded, then block by block every
+             decoder linear pruned 2:4 by magnitude, ``finalize(block, pattern="2:4")``, ``pack_weights``).
              The bound: the weight bytes a dense token reads over those a 2:4 token reads, counted
              from the models (every weight once; of an embedding that is not also the output head,
              one row), with the expected value from the shapes (2:4 weights at 0.53125x in fp32,
@@ -606,7 +606,9 @@ def targets(result: dict) -> list[str]:
 
 def render(result: dict) -> str:
     m = result["machine"]
-    lines = [f"Model: `{result['shape']}` ({result['model']['parameters'] / 1e9:.2f} B parameters, "
+    params = result["model"]["parameters"]
+    size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+    lines = [f"Model: `{result['shape']}` ({size} parameters, "
              f"{result['model']['layers']} layers, {'tied' if result['model']['tied'] else 'untied'} output head), "
              f"random bf16 weights written by `benchmarks/make_models.py`. Machine: {m['cpu']}, {m['threads']} threads, "
              f"ISA {', '.join(m['isa'])}, torch {m['torch']}, nmcompile {m['nmcompile']}.", ""]
