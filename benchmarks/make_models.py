@@ -209,6 +209,8 @@ def write_model(out: str, shape: Shape | str, *, seed: int = 0, max_shard_size: 
         names = (["model.safetensors"] if len(plan) == 1 else
                  [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
         weight_map, total = {}, 0
+        umask = os.umask(0)
+        os.umask(umask)
         for file, entries in zip(names, plan):
             block = {}
             for name, dims in entries:
@@ -216,6 +218,7 @@ def write_model(out: str, shape: Shape | str, *, seed: int = 0, max_shard_size: 
                 weight_map[name] = file
                 total += block[name].numel() * block[name].element_size()
             save_file(block, os.path.join(tmp, file), metadata={"format": "pt"})
+            os.chmod(os.path.join(tmp, file), 0o666 & ~umask)  # safetensors writes 0600; the others follow umask
             del block
             log(f"  {file}: {len(entries)} tensors ({time.perf_counter() - start:.0f} s)")
         if len(plan) > 1:
