@@ -77,16 +77,21 @@ def bandwidth() -> float:
     return buf.numel() * 4 / statistics.median(times) / 1e9
 
 
-def interleaved(fns: dict, budget: float = 1.0, min_reps: int = 5, max_reps: int = 41) -> dict:
+def interleaved(fns: dict, budget: float = 1.0, min_reps: int = 5, max_reps: int = 41, warm: bool = True) -> dict:
     """Median seconds of each function, called round-robin; each round starts one function later,
-    so that no method always follows the same one (and finds the caches as that one left them)."""
-    for fn in fns.values():
-        fn()
-    start = time.perf_counter()
-    for fn in fns.values():
-        fn()
-    once = time.perf_counter() - start
-    reps = max(min_reps, min(max_reps, int(budget / max(once, 1e-6))))
+    so that no method always follows the same one (and finds the caches as that one left them).
+    ``warm=False``: the caller has already called each function (a model's generate taking tens of
+    seconds): no warm-up rounds, ``min_reps`` rounds."""
+    if warm:
+        for fn in fns.values():
+            fn()
+        start = time.perf_counter()
+        for fn in fns.values():
+            fn()
+        once = time.perf_counter() - start
+        reps = max(min_reps, min(max_reps, int(budget / max(once, 1e-6))))
+    else:
+        reps = min_reps
     times = {name: [] for name in fns}
     order = list(fns.items())
     for rep in range(reps):
