@@ -159,7 +159,9 @@ def main(argv=None) -> int:
         description="Loads a local Hugging Face model directory (or a torch.save'd nn.Module; only files you trust), "
         "tokenises the calibration text with its tokenizer, runs it through torch.compile(backend='nmsparse') with "
         "the recipe declared (the graph gathers each weight's input statistics), solves with nmcompile.finalize, "
-        "checks N:M, saves a Hugging Face directory (safetensors) or model.pt plus model_packed.pt (2:4 packed), and "
+        "checks N:M, saves a Hugging Face directory (safetensors) or model.pt, plus nmcompile.json (which weight is N:M "
+        "along which dim; nmcompile.deploy.load_pretrained(DIR) loads it as deployed, nmcompile check DIR checks it) "
+        "and, for 2:4, model_packed.pt (every 2:4 weight packed, GPT-2's Conv1D included), and "
         "prints the held-out loss before and after. No network access. Exit status 2 on bad input.",
     )
     p.add_argument("model", help="a local Hugging Face model directory, or a .pt file of a torch.save'd model")

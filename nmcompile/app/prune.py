@@ -10,8 +10,10 @@ tokenizer (a ``.pt`` model: ``--tokenizer DIR``, its ``chars`` attribute for a c
 held-out text (``--held-out``, else the last tenth of the calibration text, never calibrated on) gives
 the evaluation loss before and after. The model is declared with the recipe (:func:`nmcompile.annotate`),
 compiled with the ``nmsparse`` backend, run over the windows with a progress bar, solved by
-:func:`nmcompile.finalize`, checked N:M, and saved: a Hugging Face directory (safetensors, loadable
-without nmcompile) or ``model.pt``, plus ``model_packed.pt`` with the 2:4 weights packed.
+:func:`nmcompile.finalize`, checked N:M, and saved by :func:`nmcompile.deploy.save_pretrained`: a Hugging Face
+directory (safetensors, loadable without nmcompile) or ``model.pt``, plus ``nmcompile.json`` (which weight is N:M
+along which dim: :func:`nmcompile.deploy.load_pretrained` loads the directory as deployed) and, for 2:4,
+``model_packed.pt`` with every 2:4 weight packed.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     from ..declare.annotate import annotate
     from ..deploy.finalize import finalize
     from ..deploy.inspection import check as check_nm
-    from ..kernels.packed import pack_state_dict
+    from ..deploy.saving import save_pretrained
     from ..recipes import parse
 
     start = time.perf_counter()
@@ -169,19 +171,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     if not check.ok:
         raise RuntimeError(f"nmcompile prune: the pruned model is not {parsed.pattern}:\n{check}")
     loss_after = _loss(model, evals, batch_size)
-    os.makedirs(out, exist_ok=True)
-    files = []
-    if kind == "hf":
-        model.save_pretrained(out, safe_serialization=True)
-        hf_tokenizer.save_pretrained(out)
-        files.append(out)
-    else:
-        torch.save(model, os.path.join(out, "model.pt"))
-        files.append(os.path.join(out, "model.pt"))
-    if (parsed.n, parsed.m) == (2, 4):
-        packed = os.path.join(out, "model_packed.pt")
-        torch.save(pack_state_dict(model.state_dict()), packed)
-        files.append(packed)
+    files = save_pretrained(model, out, tokenizer=hf_tokenizer, hf=kind == "hf")
     return PruneSummary(str(parsed), sorted(finalized), loss_before, loss_after, sum(len(w) for w in calib),
                         sum(len(w) for w in evals), time.perf_counter() - start, files, dict(finalized.fallbacks),
                         dict(report.skipped))

@@ -63,7 +63,22 @@ def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch)
     with torch.no_grad():
         loss = loaded(windows, labels=windows).loss
     assert abs(float(loss) - after) < 1e-3
-    assert (out / "model_packed.pt").exists()
+    # the directory records its layout: it loads as deployed, checks clean, and its packed file is packed
+    assert (out / "nmcompile.json").exists() and (out / "model_packed.pt").exists()
+    assert (out / "model_packed.pt").stat().st_size < (out / "model.safetensors").stat().st_size
+    deployed = nmcompile.deploy.load_pretrained(out)
+    assert nmcompile.check(deployed).ok and len(nmcompile.check(deployed)) == 8
+    assert main(["check", str(out)]) == 0 and "8/8 tensors comply" in capsys.readouterr().out
+    packed = torch.load(out / "model_packed.pt", weights_only=True)
+    assert sum(k.endswith(".nm24_meta") for k in packed) == 8
+    restored = nmcompile.deploy.unpack_state_dict(packed)
+    assert all(torch.equal(restored[n], w) for n, w in weights.items())
+    from nmcompile.kernels import cpu24
+
+    if cpu24.status().available:
+        held = nmcompile.deploy.load_pretrained(out, packed=True)
+        with torch.no_grad():
+            assert abs(float(held(windows, labels=windows).loss) - after) < 1e-3
 
 
 @pytest.mark.slow
