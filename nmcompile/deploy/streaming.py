@@ -1,7 +1,7 @@
 """Weights read from a safetensors file a run of rows at a time, packed 2:4 on the way in.
 
 :func:`read_packed` fills a :class:`~nmcompile.kernels.packed_tensor.PackedLinearWeight` (the CPU kernel's
-layout, :func:`nmcompile.kernels.cpu24.cpu_layout`) from chunks of the file's rows, so that no dense copy of
+layout, made by :func:`nmcompile.kernels.cpu24.cpu_pack`) from chunks of the file's rows, so that no dense copy of
 the weight is ever resident: only the packed result and one chunk's temporaries. The layout is separable
 along rows (in groups of :data:`~nmcompile.kernels.cpu24.GROUP`) and along the reduction dim (in words of
 16), so a ``Linear`` weight ``[out, in]`` is read by rows and a GPT-2 ``Conv1D`` weight ``[in, out]`` (2:4
@@ -17,9 +17,7 @@ import functools
 
 import torch
 
-from .. import masks
 from ..kernels import cpu24
-from ..kernels.packed import pack
 from ..kernels.packed_tensor import PackedLinearWeight
 from .weight_files import SafetensorsFile
 
@@ -51,7 +49,7 @@ def release_freed_memory() -> None:
 
 def chunk_budget(packed_elements: int) -> int:
     """Elements read per chunk for a model whose packed weights hold ``packed_elements`` dense elements:
-    small next to the packed model (its 1/1024: the temporaries of a chunk take some 40 bytes an element),
+    small next to the packed model (its 1/1024: the temporaries of a chunk take some 12 bytes an element),
     within [:data:`MIN_CHUNK`, :data:`MAX_CHUNK`]."""
     return max(MIN_CHUNK, min(MAX_CHUNK, packed_elements // 1024))
 
@@ -100,24 +98,20 @@ def read_packed(source: SafetensorsFile, key: str, dtype: torch.dtype | None, tr
         step = max(16, budget // max(1, out_f) // 16 * 16)
         for first in range(0, in_f, step):
             stop = min(in_f, first + step)
-            chunk = source.read(key, (first, stop)).to(dtype).t().contiguous()
-            bad += masks.count_violations(chunk, 2, 4, -1)[0]
-            packed = pack(chunk, check=False)
-            v, b = cpu24.cpu_layout(packed.values, packed.meta)
+            v, b, over = cpu24.cpu_pack(source.read(key, (first, stop)).to(dtype).t())
             values[:, first // 16:stop // 16] = v
             bits[:, first // 16:stop // 16] = b
-            del chunk, packed, v, b
+            bad += over
+            del v, b
     else:  # file rows are output rows: fill row groups of the layout
         step = max(group, budget // max(1, in_f) // group * group)
         for first in range(0, out_f, step):
             stop = min(out_f, first + step)
-            chunk = source.read(key, (first, stop)).to(dtype)
-            bad += masks.count_violations(chunk, 2, 4, -1)[0]
-            packed = pack(chunk, check=False)
-            v, b = cpu24.cpu_layout(packed.values, packed.meta)
+            v, b, over = cpu24.cpu_pack(source.read(key, (first, stop)).to(dtype))
             values[first // group:first // group + v.shape[0]] = v
             bits[first // group:first // group + b.shape[0]] = b
-            del chunk, packed, v, b
+            bad += over
+            del v, b
     release_freed_memory()
     weight = PackedLinearWeight(values, bits, (out_f, in_f), -1, cpu24.best_isa(dtype) or "", transposed)
     return weight, bad, out_f * in_f // 4
