@@ -36,10 +36,10 @@ def _recorded(report: CheckReport, items: Iterable[tuple[str, Callable[[], torch
         canonical = layout.canonical(name)
         entry = layout.weights.get(canonical)
         if entry is None:
-            if canonical in layout.dense or name in layout.tied:
-                if selects(report, name, only):
-                    why = layout.dense.get(canonical) or f"tied to {canonical}"
-                    report.skipped[name] = f"dense in the layout record: {why}"
+            if selects(report, name, only):
+                why = layout.dense.get(canonical) or (f"tied to {canonical}" if name in layout.tied else None)
+                report.skipped[name] = (f"dense in the layout record: {why}" if why else
+                                        "not in the layout record (a buffer, or a weight added after the save)")
             continue
         seen.add(canonical)
         if selects(report, name, only):

@@ -59,7 +59,10 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
     Args:
         model: a model finalized with :func:`nmcompile.finalize` (dense weights: unpack a packed-only
             model with :func:`nmcompile.deploy.unpack_weights` first).
-        directory: the output folder (made if missing; files of an earlier save in it are replaced).
+        directory: the output folder (made if missing). Into an existing folder, the files written replace
+            theirs, and the weights files of an earlier save that this one does not write
+            (``model*.safetensors``, its index, ``pytorch_model*.bin``, ``model.pt``, ``model_packed.pt``,
+            ``nmcompile.json``) are removed; other files stay.
         tokenizer: written beside the model (its ``save_pretrained``), e.g. for ``nmcompile prune``.
         packed: also write ``model_packed.pt`` with the 2:4 weights packed. It is written only when every
             N:M weight can be packed (2:4, 2-D, reduction dim a multiple of 16); otherwise a warning says

@@ -62,10 +62,16 @@ def test_a_saved_directory_loads_as_deployed_in_a_fresh_process(tmp_path, kind):
         head, embed = packed.get_output_embeddings().weight, packed.get_input_embeddings().weight
         print("packed", nmcompile.check(packed).ok, len(nmcompile.check(packed)), len(held), head is embed,
               packed.training)
+        half, half_packed = load_pretrained(path, dtype=torch.bfloat16), load_pretrained(path, packed=True,
+                                                                                          dtype=torch.bfloat16)
+        with torch.no_grad():  # bf16: the kernel accumulates in fp32, the dense GEMM in its own order
+            torch.testing.assert_close(half_packed(ids).logits, half(ids).logits, rtol=2e-2, atol=2e-2)
+        print("bf16", half_packed.get_input_embeddings().weight.dtype, nmcompile.check(half_packed).ok)
     """)
     n = len(report)
     assert f"restored True {n}" in out and f"dense True {n}" in out
     assert f"packed True {n} {n} {kind == 'gpt2'} False" in out  # GPT-2's tied head stays tied
+    assert "bf16 torch.bfloat16 True" in out
 
 
 @kernel
@@ -139,7 +145,11 @@ def resident_bytes(model):
 
 load_pretrained(sys.argv[1], packed=True)  # imports, the kernel's library, first-call caches: the baseline
 gc.collect()
-open("/proc/self/clear_refs", "w").write("5")  # the peak counts again from here
+try:
+    open("/proc/self/clear_refs", "w").write("5")  # the peak counts again from here
+except OSError as err:
+    print(json.dumps({"skip": f"cannot reset the peak resident memory: {err}"}))
+    sys.exit(0)
 baseline = status("VmRSS")
 model = load_pretrained(sys.argv[2], packed=True)
 print(json.dumps({"baseline": baseline, "peak": status("VmHWM"), "packed": resident_bytes(model),
@@ -164,6 +174,8 @@ def test_the_packed_load_peaks_at_the_packed_model_s_bytes(tmp_path, dtype):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in measured:
+        pytest.skip(measured["skip"])
     grown = measured["peak"] - measured["baseline"]
     print(f"{dtype}: peak {grown / 2**20:.1f} MiB over the baseline, packed model {measured['packed'] / 2**20:.1f} MiB "
           f"({grown / measured['packed']:.3f}x), dense {measured['dense'] / 2**20:.1f} MiB")

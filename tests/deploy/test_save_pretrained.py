@@ -90,6 +90,12 @@ def test_a_save_into_an_earlier_save_replaces_it_whole(tmp_path):
     assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(shards) > 1 and all("nmcompile" in safetensors_metadata(out / s) for s in shards)
+    assert nmcompile.check(out).ok and len(nmcompile.check(out)) == 14  # every shard read
+    assert nmcompile.check(out / shards[0]).ok  # one shard: the weights it holds
+    from nmcompile.kernels import cpu24
+
+    if cpu24.status().available:  # a packed load reads every shard
+        assert nmcompile.check(nmcompile.deploy.load_pretrained(out, packed=True)).ok
     (out / "notes.txt").write_text("mine")
     save_pretrained(model, out)
     assert (out / "model.safetensors").exists() and not list(out.glob("model-*.safetensors"))
