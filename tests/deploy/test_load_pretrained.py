@@ -54,7 +54,8 @@ def test_a_saved_directory_loads_as_deployed_in_a_fresh_process(tmp_path, kind):
             torch.testing.assert_close(dense(ids).logits, expected, rtol=0, atol=0)
             compiled = torch.compile(dense, backend="nmsparse")(ids).logits  # deploys without finalize
         torch.testing.assert_close(compiled, expected, rtol=1e-4, atol=1e-4)
-        print("dense", nmcompile.check(dense).ok, len(nmcompile.check(dense)))
+        decided = [d for d in nmcompile.deploy_report(dense).values() if d != "not compiled yet"]
+        print("dense", nmcompile.check(dense).ok, len(nmcompile.check(dense)), len(decided))
         packed = load_pretrained(path, packed=True)
         held = [n for n, p in packed.named_parameters() if isinstance(p, PackedLinearWeight)]
         with torch.no_grad():
@@ -69,7 +70,7 @@ def test_a_saved_directory_loads_as_deployed_in_a_fresh_process(tmp_path, kind):
         print("bf16", half_packed.get_input_embeddings().weight.dtype, nmcompile.check(half_packed).ok)
     """)
     n = len(report)
-    assert f"restored True {n}" in out and f"dense True {n}" in out
+    assert f"restored True {n}" in out and f"dense True {n} {n}" in out  # the deploy route decided each weight
     assert f"packed True {n} {n} {kind == 'gpt2'} False" in out  # GPT-2's tied head stays tied
     assert "bf16 torch.bfloat16 True" in out
 
