@@ -60,7 +60,7 @@ def _unrecorded(report: CheckReport, items: Iterable[tuple[str, Callable[[], tor
         tensor = load()
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
             continue
-        along = dims.get(name, 1 if dim is None else dim)
+        along = dims.get(name, 1) if dim is None else dim
         check_one(report, name, tensor, pattern, along)
         if name in report and tensor.is_floating_point():
             counts = {along % tensor.dim(): report[name].violations}
