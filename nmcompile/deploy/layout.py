@@ -23,6 +23,7 @@ write it as ``nmcompile.json`` in the model's directory (and into each safetenso
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from dataclasses import dataclass, field
@@ -33,12 +34,15 @@ from ..pattern import NMPattern
 from ..state.records import deployed_of, owners
 from ..version import __version__
 
-__all__ = ["Layout", "LayoutWeight", "layout_of", "read_layout", "write_layout", "RECORD_FILE", "METADATA_KEY"]
+__all__ = ["Layout", "LayoutWeight", "layout_of", "read_layout", "write_layout", "RECORD_FILE", "METADATA_KEY",
+           "OWN_FILES"]
 
 RECORD_FILE = "nmcompile.json"
 #: the key of the record in a safetensors file's metadata (a JSON string)
 METADATA_KEY = "nmcompile"
 FORMAT, VERSION = "nmcompile-layout", 1
+#: the weights files of a saved directory, which its record describes (a file of another name beside it may not)
+OWN_FILES = ("model.safetensors", "model-*-of-*.safetensors", "pytorch_model*.bin", "model.pt", "model_packed.pt")
 
 
 @dataclass(frozen=True)
@@ -166,13 +170,14 @@ def read_layout(path) -> Layout | None:
     """The layout recorded for ``path``, or None when there is none.
 
     ``path``: a model directory (its ``nmcompile.json``, else the metadata of its safetensors file), or
-    a weights file (the ``nmcompile.json`` beside it, else, for a safetensors file, its own metadata).
-    A record that cannot be read is a ValueError that names the file.
+    one of its weights files (:data:`OWN_FILES`: the ``nmcompile.json`` beside it), or a safetensors file
+    (its own metadata). A record that cannot be read is a ValueError that names the file.
     """
     path = os.fspath(path)
     directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
     record = os.path.join(directory, RECORD_FILE)
-    if os.path.isfile(record):
+    own = os.path.isdir(path) or any(fnmatch.fnmatchcase(os.path.basename(path), p) for p in OWN_FILES)
+    if own and os.path.isfile(record):
         try:
             with open(record, encoding="utf-8") as handle:
                 data = json.load(handle)

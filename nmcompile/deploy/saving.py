@@ -24,14 +24,13 @@ from ..kernels.packed import pack_state_dict
 from ..kernels.packed_tensor import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state.records import root
-from .layout import METADATA_KEY, RECORD_FILE, Layout, layout_of, write_layout
+from .layout import METADATA_KEY, OWN_FILES, RECORD_FILE, Layout, layout_of, write_layout
 
 __all__ = ["save_pretrained", "PACKED_FILE"]
 
 PACKED_FILE = "model_packed.pt"
 #: files of an earlier save that a new save into the same directory replaces or removes
-WEIGHT_FILES = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
-                "model.pt", PACKED_FILE, RECORD_FILE)
+WEIGHT_FILES = (*OWN_FILES, "model.safetensors.index.json", RECORD_FILE)
 
 
 def _why_not_packed(layout: Layout) -> str | None:

@@ -31,6 +31,9 @@ def test_a_directory_and_its_files_are_checked_with_the_record(gpt2_dir):
         assert {c.dim for c in report.values()} == {0}
         assert "embeddings are never sparsified" in report.skipped["transformer.wte.weight"]
     assert "dense in the layout record" in str(nmcompile.check(gpt2_dir))
+    other = gpt2_dir / "mine.pt"  # a file of the user's beside the record: not described by it
+    torch.save({"fc.weight": nmcompile.masks.prune(torch.randn(8, 16), 2, 4, 1)}, other)
+    assert nmcompile.check(other).ok and nmcompile.check(other)["fc.weight"].dim == 1
     os.remove(gpt2_dir / "nmcompile.json")  # the safetensors metadata carries the same record
     assert nmcompile.check(gpt2_dir).ok and nmcompile.check(gpt2_dir / "model.safetensors").ok
     assert nmcompile.check(gpt2_dir, only="*.mlp.*").keys() == {f"transformer.h.{i}.mlp.{n}.weight" for i in (0, 1)
