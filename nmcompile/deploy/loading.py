@@ -97,6 +97,11 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
         RuntimeError: ``packed=True`` where the 2:4 CPU kernel cannot run (the reason is given).
     """
     path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        pickled = os.path.join(path, "model.pt")
+        raise ValueError(f"load_pretrained: {path} has no config.json, so it is not a Hugging Face model directory"
+                         + (f"; {pickled} is a whole pickled model, whose deploy records travel with it: "
+                            "torch.load(path, weights_only=False), for files you trust" if os.path.isfile(pickled) else ""))
     layout, _ = _layout(path)
     transformers = _transformers()
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)

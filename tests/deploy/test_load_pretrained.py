@@ -126,6 +126,8 @@ def test_a_record_that_does_not_fit_the_files_stops_the_load(tmp_path):
     (path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no nmcompile layout record"):
         load_pretrained(path, packed=True)
+    with pytest.raises(ValueError, match="has no config.json, so it is not a Hugging Face model directory"):
+        load_pretrained(tmp_path)
 
 
 RSS_SCRIPT = """
