@@ -133,18 +133,30 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
     """Fill the meta parameters of ``model`` from ``sources``, the recorded 2:4 weights packed."""
     from .finalize import Deployed
 
-    groups = list(owners(model))
-    sparse = sum(s.shape(k)[0] * s.shape(k)[1] for k, s in sources.items()
-                 if k in layout.weights and len(s.shape(k)) == 2)
-    budget = chunk_budget(sparse)
-    loaded, dense_recorded, missing = set(), [], []
-    for name, places in groups:
+    plan, missing, loaded, known = [], [], set(), set()
+    for name, places in owners(model):
         names = [f"{m}.{p}" if m else p for m, _, p in places]
+        known.update(names)
         key = next((n for n in names if n in sources), None)
         if key is None:
             missing.append(name)
-            continue
-        loaded.update(names)
+        else:
+            plan.append((key, names, places))
+            loaded.update(names)
+    unknown = [n for n in layout.weights if n not in known]
+    if missing or unknown:  # said before anything is read
+        raise ValueError(
+            "nmcompile.deploy.load_pretrained: "
+            + (f"parameters of {type(model).__name__} that no weights file holds: {', '.join(missing[:10])}; "
+               if missing else "")
+            + (f"the layout record names weights the model does not have: {', '.join(unknown[:10])}; " if unknown else "")
+            + "the directory was written for another model, or is incomplete"
+        )
+    sparse = sum(sources[k].shape(k)[0] * sources[k].shape(k)[1] for k in layout.weights
+                 if k in sources and len(sources[k].shape(k)) == 2)
+    budget = chunk_budget(sparse)
+    dense_recorded = []
+    for key, names, places in plan:
         source = sources[key]
         entry = next((layout.weights[n] for n in names if n in layout.weights), None)
         if entry is None:
@@ -178,14 +190,6 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
         for _, module, pname in places:
             records.put(module, DEPLOYED, pname, record)
     _load_buffers(model, sources, loaded)
-    unknown = [n for n in layout.weights if n not in loaded]
-    if missing or unknown:
-        raise ValueError(
-            "nmcompile.deploy.load_pretrained: "
-            + (f"parameters of {type(model).__name__} that no weights file holds: {', '.join(missing[:10])}; " if missing else "")
-            + (f"the layout record names weights the model does not have: {', '.join(unknown[:10])}; " if unknown else "")
-            + "the directory was written for another model, or is incomplete"
-        )
     if dense_recorded:
         warnings.warn("nmcompile.deploy.load_pretrained(packed=True): these N:M weights are held dense, the 2:4 CPU "
                       "kernel does not take them: " + ", ".join(dense_recorded), stacklevel=3)

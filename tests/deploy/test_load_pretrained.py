@@ -122,6 +122,15 @@ def test_a_record_that_does_not_fit_the_files_stops_the_load(tmp_path):
     (path / "nmcompile.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match=r"lm_head.weight is \[256, 64\] in .*, the record says \[64, 256\]"):
         load_pretrained(path, packed=True)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path / "model.safetensors")
+    del state["model.layers.0.mlp.up_proj.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match="parameters of LlamaForCausalLM that no weights file holds: "
+                                         "model.layers.0.mlp.up_proj.weight; the directory was written for another "
+                                         "model, or is incomplete"):  # said before anything is read
+        load_pretrained(path, packed=True)
     (path / "nmcompile.json").unlink()
     (path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no nmcompile layout record"):
