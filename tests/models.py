@@ -249,3 +249,30 @@ SCHEDULED = {
     "ste_mvue24": "ste:2:4,wgrad=mvue24",
     "s_ste_fp8_mvue24": "s_ste:2:4,wgrad=mvue24,fp8=true",
 }
+
+
+def tiny_llama(transformers, hidden=64, intermediate=128, layers=2, vocab=256, tie=False):
+    """A Llama from a config, random init (untied head unless ``tie``)."""
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def magnitude_2_4(model):
+    """Prune every linear and GPT-2 Conv1D weight but the head to 2:4 along its reduction dim by magnitude,
+    then record them with ``finalize(model, pattern="2:4")``, as a pruned checkpoint loaded back would be."""
+    from nmcompile.pattern import reduction_dim
+
+    head = getattr(model, "lm_head", None)
+    with torch.no_grad():
+        for module in model.modules():
+            weight = module._parameters.get("weight")
+            if module is head or weight is None or weight.dim() != 2:
+                continue
+            dim = reduction_dim(module, "weight", weight)
+            if dim is not None:
+                weight.copy_(nmcompile.masks.prune(weight, 2, 4, dim))
+    return nmcompile.finalize(model.eval(), pattern="2:4")

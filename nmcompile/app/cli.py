@@ -1,7 +1,8 @@
 """The ``nmcompile`` command.
 
     nmcompile check PATH [--pattern 2:4] [--dim 1] [--only GLOB]...
-                                                     N:M compliance of a state dict (.pt) or an ONNX file
+                                                     N:M compliance of a model directory, a safetensors file,
+                                                     a state dict (.pt) or an ONNX file
                                                      (exit 0: complies, 1: violates N:M, 2: unreadable input)
     nmcompile recipes                                the recipes, their keys and defaults
     nmcompile demo [--recipe s_ste:2:4] [--out DIR]  train a character GPT on Shakespeare, plot, finalize, export
@@ -40,13 +41,8 @@ def _check(args) -> int:
         matched = f" matched --only {' '.join(args.only)}" if args.only else " could be checked"
         print(f"nmcompile check: {args.path}: no tensor in it{matched}", file=sys.stderr)
         return EXIT_UNREADABLE
-    if not report.ok and not args.only:
-        print(
-            "nmcompile check: the file holds every weight of the model, also those never declared N:M "
-            "(embeddings, a head left out with exclude=...), which stay dense; to check the declared weights only, "
-            "name them with --only GLOB (repeatable), e.g. --only 'blocks.*.weight'",
-            file=sys.stderr,
-        )
+    if not report.ok and report.hint:
+        print(report.hint, file=sys.stderr)
     return EXIT_OK if report.ok else EXIT_VIOLATES
 
 
@@ -109,18 +105,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="nmcompile", description="N:M structured sparsity tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
-        "check", help="N:M compliance of a saved state dict (packed 2:4 entries included) or an ONNX file",
+        "check", help="N:M compliance of a model directory, a safetensors file, a saved state dict (packed 2:4 "
+        "entries included) or an ONNX file",
         description="Exit status: 0 when every checked tensor complies, 1 when some do not, 2 when the file cannot be "
         "read (missing, empty, truncated, corrupt, or not a weights-only state dict: a whole pickled model) or holds "
         "no tensor that could be checked, or is a packed state dict that lost an entry (damaged). "
-        "ONNX files written by nmcompile.export_onnx are checked with the pattern and axis recorded per initializer. "
-        "A state dict holds every weight of the model, also those never declared N:M (embeddings, a head left out "
-        "with exclude=...), which are dense and fail the check: --only checks the declared ones.",
+        "ONNX files written by nmcompile.export_onnx are checked with the pattern and axis recorded per initializer, "
+        "and a directory written by nmcompile prune or nmcompile.deploy.save_pretrained (or a weights file in it) "
+        "with its layout record, nmcompile.json: each N:M weight along its own dim, the dense ones listed. "
+        "Without a record, a state dict holds every weight of the model, also those never declared N:M "
+        "(embeddings, a head left out with exclude=...), which are dense and fail the check: --only checks the "
+        "declared ones, and a failed check prints a --dim and --only that fit the file.",
     )
-    p.add_argument("path", help="a torch.save'd state dict (.pt/.pth) or an .onnx file")
-    p.add_argument("--pattern", default=None, help="N:M to check (default: recorded in the ONNX file, else 2:4)")
-    p.add_argument("--dim", type=int, default=1, help="grouping dim without a record: 1 for Linear/Conv and ONNX Gemm "
-                   "weights, 0 for GPT-2 Conv1D")
+    p.add_argument("path", help="a model directory, a .safetensors file, a torch.save'd state dict (.pt/.pth) or "
+                   "an .onnx file")
+    p.add_argument("--pattern", default=None, help="N:M to check (default: recorded in the directory or ONNX file, "
+                   "else 2:4)")
+    p.add_argument("--dim", type=int, default=None, help="grouping dim (default: recorded per weight, else 1): 1 for "
+                   "Linear/Conv and ONNX Gemm weights, 0 for GPT-2 Conv1D")
     p.add_argument("--only", action="append", metavar="GLOB", help="check only the tensors whose names match this "
                    "glob (fnmatch; repeatable), e.g. --only 'blocks.*.weight' for the weights declared N:M")
     p.set_defaults(run=_check)
@@ -160,7 +162,9 @@ def main(argv=None) -> int:
         description="Loads a local Hugging Face model directory (or a torch.save'd nn.Module; only files you trust), "
         "tokenises the calibration text with its tokenizer, runs it through torch.compile(backend='nmsparse') with "
         "the recipe declared (the graph gathers each weight's input statistics), solves with nmcompile.finalize, "
-        "checks N:M, saves a Hugging Face directory (safetensors) or model.pt plus model_packed.pt (2:4 packed), and "
+        "checks N:M, saves a Hugging Face directory (safetensors) or model.pt, plus nmcompile.json (which weight is N:M "
+        "along which dim; nmcompile.deploy.load_pretrained(DIR) loads it as deployed, nmcompile check DIR checks it) "
+        "and, for 2:4, model_packed.pt (every 2:4 weight packed, GPT-2's Conv1D included), and "
         "prints the held-out loss before and after. The output is written to a temporary folder and renamed at the end. "
         "No network access. Exit status 2 on bad input.",
     )

@@ -11,8 +11,10 @@ held-out text (``--held-out``, else the last tenth of the calibration text, neve
 the evaluation loss before and after. The model is declared with the recipe (:func:`nmcompile.annotate`),
 calibrated and solved by :func:`nmcompile.finalize` (one pass, or sequentially block by block on
 cached block inputs when one pass's statistics would not fit in memory: the summary says which and
-why), checked N:M, and saved: a Hugging Face directory (safetensors, loadable without nmcompile) or
-``model.pt``, plus ``model_packed.pt`` with the 2:4 weights packed.
+why), checked N:M, and saved by :func:`nmcompile.deploy.save_pretrained`: a Hugging Face directory
+(safetensors, loadable without nmcompile) or ``model.pt``, plus ``nmcompile.json`` (which weight is N:M
+along which dim: :func:`nmcompile.deploy.load_pretrained` loads the directory as deployed) and, for 2:4,
+``model_packed.pt`` with every 2:4 weight packed.
 
 The model keeps its own dtype (a bf16 checkpoint is calibrated and written in bf16; each weight's
 solve runs in float32); ``dtype`` overrides it. The output is written to a temporary folder beside
@@ -226,6 +228,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     from ..declare.annotate import annotate
     from ..deploy.finalize import finalize
     from ..deploy.inspection import check as check_nm
+    from ..deploy.saving import save_pretrained
     from ..recipes import parse
 
     start = time.perf_counter()
@@ -280,10 +283,11 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.partial-")
     try:
-        names = _write(model, kind, hf_tokenizer, parsed, tmp)
+        written = save_pretrained(model, tmp, tokenizer=hf_tokenizer, hf=kind == "hf")
+        names = [os.path.relpath(path, tmp) for path in written]
         summary = PruneSummary(str(parsed), sorted(finalized), loss_before, loss_after, sum(len(w) for w in calib),
                                sum(len(w) for w in evals), time.perf_counter() - start,
-                               [os.path.join(out, name) for name in names], dict(finalized.fallbacks),
+                               [os.path.normpath(os.path.join(out, name)) for name in names], dict(finalized.fallbacks),
                                dict(report.skipped), finalized.calibration, str(_dtype_of(model)).replace("torch.", ""))
         with open(os.path.join(tmp, RECORD), "w") as handle:
             json.dump({"source": os.path.abspath(model_path), **dataclasses.asdict(summary)}, handle, indent=1)
@@ -296,24 +300,6 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
 
 def _dtype_of(model) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _write(model, kind: str, hf_tokenizer, parsed, folder: str) -> list[str]:
-    """Write the pruned model into ``folder``; the names of what was written."""
-    from ..kernels.packed import pack_state_dict
-
-    files = []
-    if kind == "hf":
-        model.save_pretrained(folder, safe_serialization=True)
-        hf_tokenizer.save_pretrained(folder)
-        files.append("")
-    else:
-        torch.save(model, os.path.join(folder, "model.pt"))
-        files.append("model.pt")
-    if (parsed.n, parsed.m) == (2, 4):
-        torch.save(pack_state_dict(model.state_dict()), os.path.join(folder, "model_packed.pt"))
-        files.append("model_packed.pt")
-    return files
 
 
 def format_summary(s: PruneSummary) -> str:

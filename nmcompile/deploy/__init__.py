@@ -1,5 +1,7 @@
 """Deploying a trained model: bake the N:M weights (:func:`finalize`), verify them (:func:`check`),
-store them packed (:func:`pack_state_dict`), export them (:func:`export_onnx`, :mod:`.tensorrt`).
+store them packed (:func:`pack_state_dict`), export them (:func:`export_onnx`, :mod:`.tensorrt`),
+save them with their N:M layout and load them back as deployed (:func:`save_pretrained`,
+:func:`load_pretrained`, :func:`restore`; the record: :mod:`.layout`).
 
 The compiled deploy graph itself is built by the ``nmsparse`` backend (``nmcompile.backends``) with
 the kernels of :mod:`nmcompile.kernels`. ONNX and TensorRT load only when an export is asked for.
@@ -8,11 +10,16 @@ the kernels of :mod:`nmcompile.kernels`. ONNX and TensorRT load only when an exp
 from ..kernels.packed import Packed24, pack, pack_state_dict, unpack, unpack_state_dict
 from .finalize import FinalizeReport, deploy_report, finalize
 from .inspection import CheckReport, check, effective_weights
+from .layout import Layout, layout_of, read_layout
+from .loading import load_pretrained
 from .packed_weights import PackedLinearWeight, load_packed, pack_weights, unpack_weights
+from .restore import restore
+from .saving import save_pretrained
 
 __all__ = ["finalize", "FinalizeReport", "deploy_report", "check", "CheckReport", "effective_weights",
            "pack", "unpack", "pack_state_dict", "unpack_state_dict", "Packed24", "export_onnx",
-           "pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight"]
+           "pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight",
+           "save_pretrained", "load_pretrained", "restore", "Layout", "layout_of", "read_layout"]
 
 
 def export_onnx(model, args, path, **kwargs):

@@ -45,6 +45,8 @@ class CheckReport(dict):
         self.where = ""
         self.only: tuple[str, ...] = ()
         self.unselected = 0
+        #: for a failed check of a file without a layout record: a --dim and --only that fit it (or "")
+        self.hint = ""
 
     @property
     def ok(self) -> bool:

@@ -13,7 +13,6 @@ from ..pattern import NMPattern
 from ..state import records
 from ..state.records import WeightAnnotation, annotation_of, deployed_of, owners, state_of
 from ..state.sharding import full
-from .state_dicts import find_state_dict, load_state_dict
 
 __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
 
@@ -78,17 +77,24 @@ _UNSOLVED = ("{recipe} is not solved yet (the weight stays dense while calibrati
              "through the model compiled with backend='nmsparse', then nmcompile.finalize(model)")
 
 
-def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1, only=None) -> CheckReport:
+def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None, only=None) -> CheckReport:
     """N:M compliance per weight of a model (its effective weights) or a state dict.
 
     Args:
         obj: an annotated or finalized ``nn.Module``, a ``{name: tensor}`` state dict (packed 2:4
             entries are unpacked) or a checkpoint dict that holds one (``{"model": sd, "epoch": 3}``,
-            see :func:`nmcompile.deploy.state_dicts.find_state_dict`), or the path of an ``.onnx`` file or a
-            ``torch.save``'d state dict or checkpoint.
-        pattern: ``NMPattern`` or ``"2:4"``. Default: each weight's recipe pattern for a model,
-            2:4 for a state dict.
+            see :func:`nmcompile.deploy.state_dicts.find_state_dict`), or the path of a model directory
+            written by :func:`nmcompile.deploy.save_pretrained` or ``nmcompile prune``, a ``.safetensors``
+            file, an ``.onnx`` file or a ``torch.save``'d state dict or checkpoint. A directory, or a file
+            in it, is checked with its layout record (``nmcompile.json``: each weight along its recorded
+            dim, with its recorded pattern; the weights it keeps dense are listed as not checked), see
+            :mod:`nmcompile.deploy.file_checks`.
+        pattern: ``NMPattern`` or ``"2:4"``. Default: each weight's recipe pattern for a model, the
+            recorded one for a file with a layout record, 2:4 for other state dicts.
         dim: grouping dimension for state-dict tensors (1 for Linear/Conv, 0 for GPT-2 Conv1D).
+            Default: the recorded dim of each weight where there is a record, the dim a packed entry was
+            packed along, else 1. A failed check without a record gets ``report.hint``: a ``dim`` and
+            ``only`` that fit the file.
         only: glob pattern(s) of the names to check (``fnmatch``, e.g. ``"blocks.*.weight"``); the
             others are counted, not checked. A state dict holds every weight of the model, also those
             never declared N:M (embeddings, a head left out with ``exclude``), which are dense:
@@ -118,20 +124,12 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int = 1, only=Non
         if os.fspath(obj).endswith(".onnx"):
             from .onnx import check_onnx
 
-            return check_onnx(obj, pattern, dim=dim, only=only)
-        state, where = load_state_dict(obj)
-        try:
-            report = check(state, pattern, dim=dim, only=only)
-        except ValueError as err:
-            raise ValueError(f"{os.fspath(obj)}{where}: {err}") from None
-        report.where = where
-        return report
-    if isinstance(obj, Mapping):
-        from ..kernels.packed import unpack_state_dict
+            return check_onnx(obj, pattern, dim=1 if dim is None else dim, only=only)
+        from .file_checks import check_path
 
-        state, report.where = find_state_dict(obj, "the checkpoint dict")
-        for name, tensor in unpack_state_dict(state).items():
-            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and selects(report, name, only):
-                check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
-        return report
+        return check_path(obj, pattern, dim, only)
+    if isinstance(obj, Mapping):
+        from .file_checks import check_state
+
+        return check_state(obj, pattern, dim, only)
     raise TypeError(f"check takes an nn.Module or a state dict, got {type(obj).__name__}")

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
-from ..kernels.packed import META_SUFFIX, _packed_record, pack
+from ..kernels.packed import META_SUFFIX, _packed_record, pack, packed_dims
 from ..kernels.packed_tensor import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -124,7 +124,8 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
     model built on the meta device works. Returns ``load_state_dict``'s result.
 
     A packed entry must belong to a 2-D weight of the same shape (``[out, in]``, the values
-    ``[out, in/2]``); its token range is every count (call :func:`pack_weights` with ``measure``
+    ``[out, in/2]``; an entry packed as its transpose, GPT-2's ``Conv1D``, a weight ``[in, out]``,
+    recorded 2:4 along dim 0); its token range is every count (call :func:`pack_weights` with ``measure``
     after :func:`unpack_weights` to time it, or compile with the ``nmsparse`` backend).
     """
     if not cpu24.status().available:
@@ -138,7 +139,7 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
             "with nmcompile.deploy.pack_state_dict"
         )
     modules = dict(model.named_modules())
-    plain = {}
+    plain, dims = {}, packed_dims(state)
     for key, tensor in state.items():
         if key.endswith(META_SUFFIX):
             if key[: -len(META_SUFFIX)] not in state:
@@ -151,16 +152,22 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
         mname, _, pname = key.rpartition(".")
         module = modules.get(mname)
         param = None if module is None else module._parameters.get(pname)
-        if param is None or param.dim() != 2 or tuple(param.shape) != (tensor.shape[0], tensor.shape[1] * 2):
+        transposed = dims.get(key) == 0
+        shape = (tensor.shape[0], tensor.shape[1] * 2)
+        expected = shape[::-1] if transposed else shape
+        if param is None or param.dim() != 2 or tuple(param.shape) != expected:
+            layout = " (held as its transpose, GPT-2's Conv1D)" if transposed else ""
             raise ValueError(
-                f"load_packed: {key} holds a packed 2:4 weight of shape [{tensor.shape[0]}, {tensor.shape[1] * 2}], but "
+                f"load_packed: {key} holds a packed 2:4 weight of shape [{expected[0]}, {expected[1]}]{layout}, but "
                 f"the model's {key} is {None if param is None else list(param.shape)}"
             )
         weight = PackedLinearWeight.from_packed(tensor, meta)
         weight = weight._with(values=weight.values.to(param.dtype)) if param.dtype != tensor.dtype and not param.is_meta else weight
+        if transposed:
+            weight = weight._with(transposed=True)
         _set(module, pname, weight, Decision("cpu24", "packed only, loaded (every token count, not timed)",
                                              isa=weight.isa))
-        records.put(module, DEPLOYED, pname, _deployed())
+        records.put(module, DEPLOYED, pname, _deployed(0 if transposed else 1))
     missing_packed = [k for k in model.state_dict() if k not in plain and k + META_SUFFIX not in state]
     result = model.load_state_dict(plain, strict=False, assign=True)
     if strict and (missing_packed or result.unexpected_keys):
@@ -168,7 +175,7 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
     return result
 
 
-def _deployed():
+def _deployed(dim: int = 1):
     from .finalize import Deployed
 
-    return Deployed(NMPattern(2, 4), 1, "")
+    return Deployed(NMPattern(2, 4), dim, "")

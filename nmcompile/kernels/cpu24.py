@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["Status", "status", "isas", "best_isa", "cpu_layout", "packed_layout", "unpack", "ISAS", "DTYPES", "GROUP"]
+__all__ = ["Status", "status", "isas", "best_isa", "cpu_layout", "packed_layout", "cpu_pack", "unpack", "ISAS", "DTYPES",
+           "GROUP"]
 
 SOURCES = Path(__file__).with_name("cpu")
 #: ISA names the op takes, fastest first, with the cpu24_isa() bits each needs
@@ -179,6 +180,49 @@ def packed_layout(values: Tensor, bits: Tensor, out_features: int) -> tuple[Tens
     v = values.transpose(1, 2).reshape(groups * GROUP, words * 8)[:out_features]
     b = bits.transpose(1, 2).reshape(groups * GROUP, words)[:out_features]
     return v.contiguous(), _word_meta(b).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Per group code (bit ``p`` set iff position ``p`` is non-zero): the two positions :func:`nmcompile.pack`
+    keeps (non-zeros first, then the first zeros, in index order), their bits, and whether it has > 2 non-zeros."""
+    kept, masks_, over = [], [], []
+    for code in range(16):
+        order = [p for p in range(4) if code >> p & 1] + [p for p in range(4) if not code >> p & 1]
+        first, second = sorted(order[:2])
+        kept.append([first, second])
+        masks_.append((1 << first) | (1 << second))
+        over.append(bin(code).count("1") > 2)
+    return (torch.tensor(kept, device=device), torch.tensor(masks_, dtype=torch.int32, device=device),
+            torch.tensor(over, device=device))
+
+
+def cpu_pack(weight: Tensor) -> tuple[Tensor, Tensor, int]:
+    """``(values, bits, groups with more than 2 non-zeros)``: the kernel's layout (:func:`cpu_layout`) of a
+    2-D 2:4 weight ``[N, K]`` (``K`` a multiple of 16), made in one pass without the metadata codes.
+
+    The same layout as ``cpu_layout(*nmcompile.pack(weight))``, also for a group with more than two
+    non-zeros (its first two are kept; the count says how many there were), with fewer and smaller
+    temporaries (some 12 bytes an element): for packing a weight chunk by chunk as it is read."""
+    n, k = weight.shape
+    if k % 16:
+        raise ValueError(f"cpu_pack: the last dim ({k}) must be a multiple of 16")
+    pad = -n % GROUP
+    if pad:  # zero rows keep positions 0 and 1 of each group: bits 0x3333, as cpu_layout pads
+        weight = torch.cat([weight, weight.new_zeros(pad, k)])
+    kept, kept_bits, over = _pack_tables(weight.device)
+    groups = weight.reshape(n + pad, k // 4, 4)
+    weights = torch.tensor([1, 2, 4, 8], dtype=torch.uint8, device=weight.device)
+    code = ((groups != 0) * weights).sum(-1, dtype=torch.uint8).long()
+    violations = int(over[code].sum())
+    values = groups.gather(-1, kept[code]).reshape(n + pad, k // 2)
+    shifts = torch.arange(4, dtype=torch.int32, device=weight.device) * 4
+    words = (kept_bits[code].reshape(n + pad, k // 16, 4) << shifts).sum(-1, dtype=torch.int32)
+    bits = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
+    rows = (n + pad) // GROUP
+    values = values.reshape(rows, GROUP, k // 16, 8).transpose(1, 2).contiguous()
+    bits = bits.reshape(rows, GROUP, k // 16).transpose(1, 2).contiguous()
+    return values, bits, violations
 
 
 def _require() -> None:

@@ -23,7 +23,7 @@ import torch
 
 from .. import masks
 
-__all__ = ["Packed24", "pack", "unpack", "cutlass_meta", "row_meta", "pack_state_dict", "unpack_state_dict"]
+__all__ = ["Packed24", "pack", "unpack", "cutlass_meta", "row_meta", "pack_state_dict", "unpack_state_dict", "packed_dims"]
 
 META_SUFFIX = ".nm24_meta"
 #: the entry of a packed state dict's ``_metadata`` that lists its packed weights (see :func:`pack_state_dict`)
@@ -176,76 +176,112 @@ def unpack(packed: Packed24) -> torch.Tensor:
 
 def _packed_record(state: Mapping) -> list[str] | None:
     """The names :func:`pack_state_dict` recorded as packed in ``state``, or None (no record)."""
+    entry = _record_entry(state)
+    return None if entry is None else [str(name) for name in entry["packed"]]
+
+
+def _record_entry(state: Mapping) -> Mapping | None:
     metadata = getattr(state, "_metadata", None)
     entry = metadata.get(PACKED_RECORD) if isinstance(metadata, Mapping) else None
     if not isinstance(entry, Mapping) or not isinstance(entry.get("packed"), (list, tuple)):
         return None
-    return [str(name) for name in entry["packed"]]
+    return entry
 
 
-def _with_metadata(out: dict, state: Mapping, packed: list[str] | None) -> "OrderedDict[str, torch.Tensor]":
+def packed_dims(state: Mapping) -> dict[str, int]:
+    """``{name: grouping dim}`` of the weights :func:`pack_state_dict` recorded as packed in ``state``:
+    -1 (the last dim), or 0 for a 2-D weight packed as its transpose (GPT-2's ``Conv1D``)."""
+    entry = _record_entry(state)
+    if entry is None:
+        return {}
+    transposed = set(entry.get("transposed") or ())
+    return {str(name): 0 if name in transposed else -1 for name in entry["packed"]}
+
+
+def _with_metadata(out: dict, state: Mapping, packed: list[str] | None,
+                   transposed: list[str] | None = None) -> "OrderedDict[str, torch.Tensor]":
     """``out`` as an OrderedDict carrying ``state``'s ``_metadata`` (PyTorch's per-module versions),
-    with the record of the packed names when ``packed`` is given, without it otherwise."""
+    with the record of the packed names (and of those packed as their transpose) when ``packed`` is
+    given, without it otherwise."""
     result = OrderedDict(out)
     metadata = getattr(state, "_metadata", None)
     metadata = OrderedDict(metadata) if isinstance(metadata, Mapping) else OrderedDict()
     metadata.pop(PACKED_RECORD, None)
     if packed:
-        metadata[PACKED_RECORD] = {"packed": list(packed)}
+        metadata[PACKED_RECORD] = {"packed": list(packed), **({"transposed": list(transposed)} if transposed else {})}
     if metadata:
         result._metadata = metadata
     return result
 
 
-def pack_state_dict(state: Mapping[str, torch.Tensor], names=None) -> dict[str, torch.Tensor]:
+def _transposed_dim(tensor: torch.Tensor, dim: int) -> bool:
+    """Whether grouping dim ``dim`` of ``tensor`` is packed as its transpose (2-D, dim 0)."""
+    return tensor.dim() == 2 and dim in (0, -2)
+
+
+def pack_state_dict(state: Mapping[str, torch.Tensor], names=None, *, dims: Mapping[str, int] | None = None
+                    ) -> dict[str, torch.Tensor]:
     """A copy of ``state`` with the 2:4 weights ``names`` (default: every >= 2-D floating tensor
-    that is 2:4 along its last dim) stored packed: ``name`` holds the values, ``name + '.nm24_meta'``
-    the metadata. Conv weights (last dim: the kernel width) stay dense. Packed-only weights
-    (:class:`~nmcompile.kernels.packed_tensor.PackedLinearWeight`) are written without unpacking
-    (those stored as a transpose, GPT-2's Conv1D, are 2:4 along dim 0 and written dense).
+    that is 2:4 along its grouping dim) stored packed: ``name`` holds the values, ``name + '.nm24_meta'``
+    the metadata. Exact: :func:`unpack_state_dict` gives ``state`` back.
+
+    ``dims``: ``{name: grouping dim}`` where it is not the last dim: a 2-D weight 2:4 along dim 0
+    (GPT-2's ``Conv1D``, ``[in, out]``) is packed as its transpose (``[out, in/2]`` values). Conv
+    weights (last dim: the kernel width) stay dense. Packed-only weights
+    (:class:`~nmcompile.kernels.packed_tensor.PackedLinearWeight`) are written without unpacking,
+    those held as a transpose as their transpose.
 
     The copy's ``_metadata`` (kept by ``torch.save``/``torch.load`` and ignored by
-    ``load_state_dict``) lists the packed names under :data:`PACKED_RECORD`, so that
-    :func:`unpack_state_dict` and ``nmcompile check`` tell a file that lost a metadata entry from
-    one with a dense weight. A name in ``names`` that ``state`` does not hold is a ValueError."""
+    ``load_state_dict``) lists the packed names under :data:`PACKED_RECORD` (and, under
+    ``"transposed"``, those packed as their transpose), so that :func:`unpack_state_dict` and
+    ``nmcompile check`` tell a file that lost a metadata entry from one with a dense weight. A name
+    in ``names`` or ``dims`` that ``state`` does not hold, or that cannot be packed, is a ValueError."""
     from .packed_tensor import PackedLinearWeight
 
+    dims = dict(dims or {})
     if names is not None:
         names = {names} if isinstance(names, str) else set(names)
-        unknown = sorted(names - set(state))
-        if unknown:
-            weights = [k for k, t in state.items() if isinstance(t, torch.Tensor) and t.dim() >= 2]
-            raise ValueError(
-                f"pack_state_dict: names {', '.join(map(repr, unknown))} are not in the state dict; pass names of its "
-                f"entries (its >= 2-D tensors: {', '.join(weights[:5])}{' ...' if len(weights) > 5 else ''})"
-            )
-    out, packed_names = {}, []
+    unknown = sorted((set(names or ()) | set(dims)) - set(state))
+    if unknown:
+        weights = [k for k, t in state.items() if isinstance(t, torch.Tensor) and t.dim() >= 2]
+        raise ValueError(
+            f"pack_state_dict: names {', '.join(map(repr, unknown))} are not in the state dict; pass names of its "
+            f"entries (its >= 2-D tensors: {', '.join(weights[:5])}{' ...' if len(weights) > 5 else ''})"
+        )
+    out, packed_names, transposed_names = {}, [], []
     for key, tensor in state.items():
         if isinstance(tensor, PackedLinearWeight):
+            out[key], out[key + META_SUFFIX] = tensor.packed()
+            packed_names.append(key)
             if tensor.transposed:
-                out[key] = tensor.dense()
-            else:
-                out[key], out[key + META_SUFFIX] = tensor.packed()
-                packed_names.append(key)
+                transposed_names.append(key)
             continue
         selected = names is None or key in names
+        transposed = isinstance(tensor, torch.Tensor) and _transposed_dim(tensor, dims.get(key, -1))
+        candidate = tensor.t() if transposed else tensor
         fits = (
             isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.is_floating_point()
-            and tensor.shape[-1] % 16 == 0 and not masks.count_violations(tensor, 2, 4, -1)[0]
+            and candidate.shape[-1] % 16 == 0 and not masks.count_violations(candidate, 2, 4, -1)[0]
         )
-        if names is not None and key in names and not fits:
-            raise ValueError(f"pack_state_dict: {key!r} cannot be packed as 2:4 along its last dim")
+        if (key in (names or ()) or key in dims) and not fits:
+            along = f"dim {dims[key]}" if key in dims else "its last dim"
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"pack_state_dict: {key!r} {shape} cannot be packed as 2:4 along {along} (it must be "
+                             "a floating-point weight, 2:4 along that dim, whose size there is a multiple of 16)")
         if selected and fits:
-            packed = pack(tensor)
+            packed = pack(candidate)
             out[key], out[key + META_SUFFIX] = packed.values, packed.meta
             packed_names.append(key)
+            if transposed:
+                transposed_names.append(key)
         else:
             out[key] = tensor
-    return _with_metadata(out, state, packed_names)
+    return _with_metadata(out, state, packed_names, transposed_names)
 
 
 def unpack_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The dense state dict that :func:`pack_state_dict` packed (loads into the plain model).
+    """The dense state dict that :func:`pack_state_dict` packed (loads into the plain model); weights
+    packed as their transpose are given back in their own layout (``[in, out]`` for GPT-2's ``Conv1D``).
 
     Raises ValueError for a damaged file: a metadata entry without its values, or a weight that
     :func:`pack_state_dict` recorded as packed whose metadata is missing (its half-width values
@@ -260,10 +296,14 @@ def unpack_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
             f"unpack_state_dict: the packed state dict is damaged: {'; '.join(problems[:3])}"
             f"{' ...' if len(problems) > 3 else ''}. Write it again with nmcompile.deploy.pack_state_dict(model.state_dict())"
         )
-    out = {}
+    out, dims = {}, packed_dims(state)
     for key, tensor in state.items():
         if key.endswith(META_SUFFIX):
             continue
         meta = state.get(key + META_SUFFIX)
-        out[key] = tensor if meta is None else unpack(Packed24(tensor, meta))
+        if meta is None:
+            out[key] = tensor
+        else:
+            dense = unpack(Packed24(tensor, meta))
+            out[key] = dense.t().contiguous() if dims.get(key) == 0 else dense
     return _with_metadata(out, state, None)

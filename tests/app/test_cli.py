@@ -150,7 +150,8 @@ def test_check_of_a_state_dict_can_check_the_declared_weights_only(tmp_path, cap
     path = tmp_path / "model.pt"
     torch.save(model.state_dict(), path)
     code, out, err = run_here(capsys, "check", str(path))  # the embedding and the head are dense
-    assert code == 1 and "embed.weight" in out and "--only GLOB" in err
+    assert code == 1 and "embed.weight" in out
+    assert "2 of 4 tensors are 2:4 along dim 1" in err and f"nmcompile check {path} --only 'blocks.*'" in err
     code, out, err = run_here(capsys, "check", str(path), "--only", "blocks.*.weight")
     assert code == 0 and "2/2 tensors comply" in out and "2 other tensors not checked" in out and not err
     code, _, err = run_here(capsys, "check", str(path), "--only", "blocks.0.*", "--only", "blocks.2.*")
@@ -187,3 +188,28 @@ def test_a_packed_file_that_lost_a_metadata_entry_is_damaged(tmp_path, capsys):
     fresh.load_state_dict(restored)
     assert torch.equal(fresh[2].weight, model[2].weight)
     assert "nmcompile.nm24" not in restored._metadata and restored._metadata[""] == model.state_dict()._metadata[""]
+
+
+def test_check_of_a_pruned_directory_uses_its_layout_record(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from models import _gpt2, magnitude_2_4
+
+    model = _gpt2(transformers)
+    magnitude_2_4(model)
+    nmcompile.deploy.save_pretrained(model, tmp_path / "pruned")
+    capsys.readouterr()  # Hugging Face's progress bar
+    for path in (tmp_path / "pruned", tmp_path / "pruned" / "model.safetensors"):
+        code, out, err = run_here(capsys, "check", str(path))
+        assert code == 0 and "8/8 tensors comply" in out and "along dim 0: ok" in out and not err
+        assert "transformer.wte.weight: not checked (dense in the layout record" in out
+    (tmp_path / "pruned" / "nmcompile.json").rename(tmp_path / "record.json")
+    from safetensors.torch import load_file, save_file
+
+    plain = tmp_path / "plain.safetensors"  # the same weights, no record anywhere
+    save_file(load_file(tmp_path / "pruned" / "model.safetensors"), plain)
+    code, out, err = run_here(capsys, "check", str(plain))
+    assert code == 1 and "0/10 tensors comply" in out
+    hint = err.strip().rsplit("Check those with: ", 1)[1]
+    assert hint == f"nmcompile check {plain} --dim 0 --only 'transformer.h.*'"
+    code, out, err = run_here(capsys, "check", str(plain), "--dim", "0", "--only", "transformer.h.*")
+    assert code == 0 and "8/8 tensors comply" in out

@@ -63,7 +63,22 @@ def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch)
     with torch.no_grad():
         loss = loaded(windows, labels=windows).loss
     assert abs(float(loss) - after) < 1e-3
-    assert (out / "model_packed.pt").exists()
+    # the directory records its layout: it loads as deployed, checks clean, and its packed file is packed
+    assert (out / "nmcompile.json").exists() and (out / "model_packed.pt").exists()
+    assert (out / "model_packed.pt").stat().st_size < (out / "model.safetensors").stat().st_size
+    deployed = nmcompile.deploy.load_pretrained(out)
+    assert nmcompile.check(deployed).ok and len(nmcompile.check(deployed)) == 8
+    assert main(["check", str(out)]) == 0 and "8/8 tensors comply" in capsys.readouterr().out
+    packed = torch.load(out / "model_packed.pt", weights_only=True)
+    assert sum(k.endswith(".nm24_meta") for k in packed) == 8
+    restored = nmcompile.deploy.unpack_state_dict(packed)
+    assert all(torch.equal(restored[n], w) for n, w in weights.items())
+    from nmcompile.kernels import cpu24
+
+    if cpu24.status().available:
+        held = nmcompile.deploy.load_pretrained(out, packed=True)
+        with torch.no_grad():
+            assert abs(float(held(windows, labels=windows).loss) - after) < 1e-3
 
 
 @pytest.mark.slow
@@ -130,18 +145,18 @@ def test_prune_never_writes_over_its_input_or_a_foreign_folder(tmp_path, capsys,
 @pytest.mark.slow
 def test_an_interrupted_prune_leaves_no_folder_that_looks_complete(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from nmcompile.app import prune as prune_module
+    from nmcompile.deploy import saving
 
     path = tiny_gpt2_dir(tmp_path)
     out = tmp_path / "out"
     assert prune(tmp_path, path, out) == 0
     written = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
 
-    def interrupted(model, kind, tokenizer, parsed, folder):
+    def interrupted(model, folder, **kwargs):
         model.save_pretrained(folder, safe_serialization=True)  # the weights, then the interrupt
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prune_module, "_write", interrupted)
+    monkeypatch.setattr(saving, "save_pretrained", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prune(tmp_path, path, out, "--recipe", "sparsegpt:2:4")
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == written  # the earlier output, whole

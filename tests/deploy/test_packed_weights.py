@@ -175,9 +175,20 @@ def test_gpt2_conv1d_weights_are_packed_as_their_transpose():
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(torch.compile(model, backend="nmsparse")(ids).logits, expected, atol=1e-5, rtol=1e-4)
-    state = pack_state_dict(model.state_dict())
-    assert "transformer.h.0.attn.c_attn.weight.nm24_meta" not in state  # 2:4 along dim 0: written dense
-    assert state["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    state = pack_state_dict(model.state_dict())  # written packed as their transpose, without unpacking
+    assert state["transformer.h.0.attn.c_attn.weight"].shape == (96, 16)
+    assert len(state._metadata["nmcompile.nm24"]["transposed"]) == 8
+    dense = nmcompile.deploy.unpack_state_dict(state)
+    for name in decisions:
+        assert torch.equal(dense[name], model.get_parameter(name).dense())  # [in, out] again
+    fresh = _gpt2(transformers)
+    load_packed(fresh, state)
+    attn = fresh.transformer.h[0].attn.c_attn.weight
+    assert isinstance(attn, PackedLinearWeight) and attn.transposed and attn.shape == (32, 96)
+    assert nmcompile.deploy.deploy_report(fresh).keys() == decisions.keys()
+    assert all(r.dim == 0 for r in nmcompile.finalize(fresh).values())
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(ids).logits, expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -133,6 +133,21 @@ def test_layout_round_trip_and_unpack_are_exact(dtype):
     assert torch.equal(cpu24.unpack(values, bits, 13), w)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_pack_makes_the_layout_of_pack_in_one_pass(dtype):
+    torch.manual_seed(0)
+    for rows, cols in ((13, 48), (64, 32), (1, 16)):
+        w = torch.randn(rows, cols).to(dtype)
+        w[torch.rand(rows, cols) < 0.6] = 0  # groups of every kind, more than two non-zeros included
+        p = pack(w, check=False)
+        values, bits, over = cpu24.cpu_pack(w.t().contiguous().t())  # strides of a transposed read
+        expected = cpu24.cpu_layout(p.values, p.meta)
+        assert torch.equal(values, expected[0]) and torch.equal(bits, expected[1])
+        assert over == int(((w != 0).reshape(rows, -1, 4).sum(-1) > 2).sum())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu24.cpu_pack(torch.zeros(4, 12))
+
+
 def test_bits_encode_the_kept_positions_by_hand():
     w = torch.zeros(1, 16)
     w[0, [0, 1]], w[0, [4, 6]], w[0, [9, 10]], w[0, [14, 15]] = 1.0, 2.0, 3.0, 4.0

@@ -108,3 +108,19 @@ def test_unpack_refuses_metadata_that_is_not_nmcompile_s_layout():
             pytest.fail(f"unpack accepted metadata with {what}")
     with pytest.raises(ValueError, match="not nmcompile's packed layout"):
         nmcompile.deploy.unpack_state_dict({"w": packed.values, "w" + META_SUFFIX: equal_indices})
+
+
+def test_weights_2_4_along_dim_0_are_packed_as_their_transpose():
+    torch.manual_seed(0)
+    conv1d = pruned((32, 48)).t().contiguous()  # [in, out] = [48, 32], 2:4 along dim 0
+    state = {"c.weight": conv1d, "fc.weight": pruned((8, 32))}
+    packed = nmcompile.deploy.pack_state_dict(state, dims={"c.weight": 0})
+    assert packed["c.weight"].shape == (32, 24) and packed["fc.weight"].shape == (8, 16)
+    assert packed._metadata["nmcompile.nm24"] == {"packed": ["c.weight", "fc.weight"], "transposed": ["c.weight"]}
+    restored = nmcompile.deploy.unpack_state_dict(packed)
+    assert all(torch.equal(restored[k], state[k]) for k in state) and restored["c.weight"].is_contiguous()
+    assert nmcompile.check(packed).ok and nmcompile.check(packed)["c.weight"].dim == 0
+    with pytest.raises(ValueError, match=r"'fc.weight' \(8, 32\) cannot be packed as 2:4 along dim 0"):
+        nmcompile.deploy.pack_state_dict(state, dims={"fc.weight": 0})
+    with pytest.raises(ValueError, match="names 'x' are not in the state dict"):
+        nmcompile.deploy.pack_state_dict(state, dims={"x": 0})

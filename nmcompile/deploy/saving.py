@@ -1,0 +1,141 @@
+"""Save a finalized model with its N:M layout: a directory that loads back as deployed.
+
+:func:`save_pretrained` writes what ``model.save_pretrained`` writes (or ``model.pt`` for a model that is
+not a Hugging Face one), the layout record ``nmcompile.json`` (also in each safetensors file's metadata),
+and ``model_packed.pt``, the state dict with every 2:4 weight packed (:func:`nmcompile.deploy.pack_state_dict`,
+GPT-2's ``Conv1D`` weights as their transpose), when every N:M weight can be packed. Everything is written
+into a temporary folder beside the target and moved into place at the end, so an interrupted save leaves
+the target as it was (a new directory is renamed whole; into an existing one the files are moved one by one).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import tempfile
+import warnings
+
+import torch
+from torch import nn
+
+from ..kernels.packed import pack_state_dict
+from ..kernels.packed_tensor import PackedLinearWeight
+from ..pattern import NMPattern
+from ..state.records import root
+from .layout import METADATA_KEY, OWN_FILES, RECORD_FILE, Layout, layout_of, write_layout
+
+__all__ = ["save_pretrained", "PACKED_FILE"]
+
+PACKED_FILE = "model_packed.pt"
+#: files of an earlier save that a new save into the same directory replaces or removes
+WEIGHT_FILES = (*OWN_FILES, "model.safetensors.index.json", RECORD_FILE)
+
+
+def _why_not_packed(layout: Layout) -> str | None:
+    """Why the packed file cannot hold every N:M weight packed, or None."""
+    for name, entry in layout.weights.items():
+        if entry.pattern != NMPattern(2, 4):
+            return f"{name} is {entry.pattern}, and the packed format holds 2:4"
+        if len(entry.shape) != 2 or entry.dim not in (0, 1, -1, -2):
+            return f"{name} is a {len(entry.shape)}-D weight grouped along dim {entry.dim} (packed: 2-D weights)"
+        if entry.shape[entry.dim] % 16:
+            return f"{name}'s reduction dim ({entry.shape[entry.dim]}) is not a multiple of 16"
+    return None
+
+
+def _write_packed(model: nn.Module, layout: Layout, path: str) -> None:
+    state = model.state_dict()
+    torch.save(pack_state_dict(state, names=list(layout.weights),
+                               dims={name: entry.dim for name, entry in layout.weights.items()}), path)
+
+
+def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool = True, hf: bool | None = None,
+                    **save_kwargs) -> list[str]:
+    """Write a finalized ``model`` and its N:M layout into ``directory``; the paths written.
+
+    Args:
+        model: a model finalized with :func:`nmcompile.finalize` (dense weights: unpack a packed-only
+            model with :func:`nmcompile.deploy.unpack_weights` first).
+        directory: the output folder (made if missing). Into an existing folder, the files written replace
+            theirs, and the weights files of an earlier save that this one does not write
+            (``model*.safetensors``, its index, ``pytorch_model*.bin``, ``model.pt``, ``model_packed.pt``,
+            ``nmcompile.json``) are removed; other files stay.
+        tokenizer: written beside the model (its ``save_pretrained``), e.g. for ``nmcompile prune``.
+        packed: also write ``model_packed.pt`` with the 2:4 weights packed. It is written only when every
+            N:M weight can be packed (2:4, 2-D, reduction dim a multiple of 16); otherwise a warning says
+            which weight could not, and the record says why it is absent.
+        hf: write a Hugging Face directory (``model.save_pretrained``, safetensors) rather than ``model.pt``
+            (``torch.save`` of the whole model); default: whether ``model`` has ``save_pretrained``.
+        save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``).
+
+    Load it back with :func:`nmcompile.deploy.load_pretrained` (``packed=True``: straight into packed
+    weights), or with ``from_pretrained`` followed by :func:`nmcompile.deploy.restore`.
+    """
+    model = root(model)
+    layout = layout_of(model)
+    held = [name for name, p in model.named_parameters() if isinstance(p, PackedLinearWeight)]
+    if held:
+        raise ValueError(f"nmcompile.deploy.save_pretrained: {', '.join(held[:5])} "
+                         f"{'is' if len(held) == 1 else 'are'} held packed only; call nmcompile.deploy.unpack_weights"
+                         "(model) first (or save the packed state dict with nmcompile.deploy.pack_state_dict)")
+    hf = hasattr(model, "save_pretrained") if hf is None else hf
+    if hf and not hasattr(model, "save_pretrained"):
+        raise ValueError(f"save_pretrained(hf=True): {type(model).__name__} is not a Hugging Face model (it has no "
+                         "save_pretrained); pass hf=False to write model.pt")
+    directory = os.path.abspath(os.fspath(directory))
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(directory)}.nmcompile-")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would become the directory's
+    try:
+        if hf:
+            model.save_pretrained(staging, safe_serialization=True, **save_kwargs)
+        else:
+            torch.save(model, os.path.join(staging, "model.pt"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        why = _why_not_packed(layout) if packed else None
+        if packed and why is None:
+            _write_packed(model, layout, os.path.join(staging, PACKED_FILE))
+            layout.packed = {"file": PACKED_FILE}
+        elif packed:
+            layout.packed = {"file": None, "why": why}
+            warnings.warn(f"nmcompile.deploy.save_pretrained: {PACKED_FILE} was not written: {why}", stacklevel=2)
+        write_layout(staging, layout)
+        _stamp(staging, layout)
+        written = sorted(os.listdir(staging))
+        _move_into(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [os.path.join(directory, name) for name in written]
+
+
+def _stamp(folder: str, layout: Layout) -> None:
+    """The layout record into the metadata of each safetensors file in ``folder``."""
+    from .weight_files import stamp_safetensors
+
+    text = json.dumps(layout.to_json(), separators=(",", ":"))
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            stamp_safetensors(os.path.join(folder, name), {METADATA_KEY: text})
+
+
+def _move_into(staging: str, directory: str) -> None:
+    if not os.path.exists(directory):
+        os.rename(staging, directory)
+        return
+    if not os.path.isdir(directory):
+        raise ValueError(f"nmcompile.deploy.save_pretrained: {directory} exists and is not a directory")
+    new = set(os.listdir(staging))
+    for name in new:
+        target = os.path.join(directory, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)
+    for name in os.listdir(directory):
+        if name not in new and any(fnmatch.fnmatchcase(name, p) for p in WEIGHT_FILES):
+            os.remove(os.path.join(directory, name))  # an earlier save's file that this one does not replace

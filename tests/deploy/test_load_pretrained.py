@@ -1,0 +1,195 @@
+"""A saved deployed directory loads back as deployed, in a fresh process: ``load_pretrained`` (dense, or
+streamed straight into packed 2:4 weights), and ``from_pretrained`` + ``restore``; mismatches are named."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import nmcompile
+from nmcompile.deploy import PackedLinearWeight, load_pretrained, pack_weights, restore, save_pretrained
+from nmcompile.kernels import cpu24
+from models import _gpt2, magnitude_2_4, tiny_llama
+
+transformers = pytest.importorskip("transformers")
+kernel = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
+
+
+def saved(tmp_path, kind, **sizes):
+    torch.manual_seed(0)
+    model = _gpt2(transformers) if kind == "gpt2" else tiny_llama(transformers, **sizes)
+    report = magnitude_2_4(model)
+    save_pretrained(model, tmp_path / kind)
+    return model, report, tmp_path / kind
+
+
+def run(script: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_saved_directory_loads_as_deployed_in_a_fresh_process(tmp_path, kind):
+    model, report, path = saved(tmp_path, kind)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save((ids, expected), tmp_path / "io.pt")
+    out = run(f"""
+        import torch, transformers, nmcompile
+        from nmcompile.deploy import PackedLinearWeight, load_pretrained, restore
+        path, (ids, expected) = {str(path)!r}, torch.load({str(tmp_path / 'io.pt')!r})
+        plain = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        assert not nmcompile.check(plain), "a plain load has no records"
+        restore(plain, path)                                # the one documented call after from_pretrained
+        print("restored", nmcompile.check(plain).ok, len(nmcompile.check(plain)))
+        dense = load_pretrained(path)
+        with torch.no_grad():
+            torch.testing.assert_close(dense(ids).logits, expected, rtol=0, atol=0)
+            compiled = torch.compile(dense, backend="nmsparse")(ids).logits  # deploys without finalize
+        torch.testing.assert_close(compiled, expected, rtol=1e-4, atol=1e-4)
+        decided = [d for d in nmcompile.deploy_report(dense).values() if d != "not compiled yet"]
+        print("dense", nmcompile.check(dense).ok, len(nmcompile.check(dense)), len(decided))
+        packed = load_pretrained(path, packed=True)
+        held = [n for n, p in packed.named_parameters() if isinstance(p, PackedLinearWeight)]
+        with torch.no_grad():
+            torch.testing.assert_close(packed(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        head, embed = packed.get_output_embeddings().weight, packed.get_input_embeddings().weight
+        print("packed", nmcompile.check(packed).ok, len(nmcompile.check(packed)), len(held), head is embed,
+              packed.training)
+        half, half_packed = load_pretrained(path, dtype=torch.bfloat16), load_pretrained(path, packed=True,
+                                                                                          dtype=torch.bfloat16)
+        with torch.no_grad():  # bf16: the kernel accumulates in fp32, the dense GEMM in its own order
+            torch.testing.assert_close(half_packed(ids).logits, half(ids).logits, rtol=2e-2, atol=2e-2)
+        print("bf16", half_packed.get_input_embeddings().weight.dtype, nmcompile.check(half_packed).ok)
+    """)
+    n = len(report)
+    assert f"restored True {n}" in out and f"dense True {n} {n}" in out  # the deploy route decided each weight
+    assert f"packed True {n} {n} {kind == 'gpt2'} False" in out  # GPT-2's tied head stays tied
+    assert "bf16 torch.bfloat16 True" in out
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_streamed_packing_makes_the_layout_pack_weights_makes(tmp_path, kind, monkeypatch):
+    from nmcompile.deploy import streaming
+
+    model, report, path = saved(tmp_path, kind)
+    monkeypatch.setattr(streaming, "chunk_budget", lambda elements: 16)  # one row group / word column per chunk
+    packed = load_pretrained(path, packed=True)
+    pack_weights(model, measure=False)
+    for name in report:
+        ours, theirs = packed.get_parameter(name), model.get_parameter(name)
+        assert isinstance(ours, PackedLinearWeight) and ours.transposed == (kind == "gpt2")
+        assert torch.equal(ours.values, theirs.values) and torch.equal(ours.bits, theirs.bits), name
+    assert nmcompile.deploy_report(packed).keys() == set(report)
+
+
+def test_restore_names_weights_that_are_not_what_the_record_says(tmp_path):
+    _, _, path = saved(tmp_path, "llama")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    with torch.no_grad():
+        plain.model.layers[1].mlp.up_proj.weight.fill_(1.0)
+    with pytest.raises(ValueError, match=r"nothing was recorded:\n  model.layers.1.mlp.up_proj.weight: 2048/2048 groups "
+                                         r"along dim 1 keep more than 2 of 4\n.*finalize\(model, pattern='2:4'\)"):
+        restore(plain, path)
+    assert not nmcompile.check(plain)
+    with pytest.raises(ValueError, match="has no nmcompile layout record.*finalize\\(model, pattern='2:4'\\)"):
+        restore(plain, tmp_path)
+    other = tiny_llama(transformers, layers=1)
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.q_proj.weight is not a parameter of LlamaForCausalLM"):
+        restore(other, path)
+
+
+@kernel
+def test_a_record_that_does_not_fit_the_files_stops_the_load(tmp_path):
+    _, _, path = saved(tmp_path, "llama")
+    record = json.loads((path / "nmcompile.json").read_text())
+    record["weights"]["lm_head.weight"] = {"pattern": "2:4", "dim": 1, "shape": [256, 64]}  # dense in the file
+    (path / "nmcompile.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"lm_head.weight in .*model.safetensors: 4096/4096 groups along dim 1 keep "
+                                         r"more than 2 of 4.*different saves"):
+        load_pretrained(path, packed=True)
+    with pytest.raises(ValueError, match=r"lm_head.weight: 4096/4096 groups along dim 1"):
+        load_pretrained(path)
+    record["weights"]["lm_head.weight"]["shape"] = [64, 256]
+    (path / "nmcompile.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"lm_head.weight is \[256, 64\] in .*, the record says \[64, 256\]"):
+        load_pretrained(path, packed=True)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path / "model.safetensors")
+    del state["model.layers.0.mlp.up_proj.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match="parameters of LlamaForCausalLM that no weights file holds: "
+                                         "model.layers.0.mlp.up_proj.weight; the directory was written for another "
+                                         "model, or is incomplete"):  # said before anything is read
+        load_pretrained(path, packed=True)
+    (path / "nmcompile.json").unlink()
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no nmcompile layout record"):
+        load_pretrained(path, packed=True)
+    with pytest.raises(ValueError, match="has no config.json, so it is not a Hugging Face model directory"):
+        load_pretrained(tmp_path)
+
+
+RSS_SCRIPT = """
+import gc, json, sys
+from nmcompile.deploy import PackedLinearWeight, load_pretrained
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+def resident_bytes(model):
+    storages = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        for part in (t.values, t.bits) if isinstance(t, PackedLinearWeight) else (t,):
+            storages[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
+    return sum(storages.values())
+
+load_pretrained(sys.argv[1], packed=True)  # imports, the kernel's library, first-call caches: the baseline
+gc.collect()
+try:
+    open("/proc/self/clear_refs", "w").write("5")  # the peak counts again from here
+except OSError as err:
+    print(json.dumps({"skip": f"cannot reset the peak resident memory: {err}"}))
+    sys.exit(0)
+baseline = status("VmRSS")
+model = load_pretrained(sys.argv[2], packed=True)
+print(json.dumps({"baseline": baseline, "peak": status("VmHWM"), "packed": resident_bytes(model),
+                  "dense": sum(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+
+@kernel
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak resident memory from /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_load_peaks_at_the_packed_model_s_bytes(tmp_path, dtype):
+    torch.manual_seed(0)
+    tiny = tiny_llama(transformers)
+    magnitude_2_4(tiny)
+    save_pretrained(tiny.to(dtype), tmp_path / "tiny")
+    model = tiny_llama(transformers, hidden=512, intermediate=1536, layers=4, vocab=1024)  # 50 MB dense in fp32
+    magnitude_2_4(model)
+    save_pretrained(model.to(dtype), tmp_path / "model", packed=False)
+    del model
+    done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "tiny"), str(tmp_path / "model")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in measured:
+        pytest.skip(measured["skip"])
+    grown = measured["peak"] - measured["baseline"]
+    print(f"{dtype}: peak {grown / 2**20:.1f} MiB over the baseline, packed model {measured['packed'] / 2**20:.1f} MiB "
+          f"({grown / measured['packed']:.3f}x), dense {measured['dense'] / 2**20:.1f} MiB")
+    assert measured["packed"] < 0.62 * measured["dense"]
+    assert grown <= 1.15 * measured["packed"], measured

@@ -1,0 +1,131 @@
+"""``nmcompile.deploy.save_pretrained``: a finalized model's directory records its N:M layout, and its packed
+file holds every 2:4 weight packed (GPT-2's Conv1D as its transpose), smaller than the safetensors file."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import nmcompile
+from nmcompile.deploy import Layout, layout_of, read_layout, save_pretrained, unpack_state_dict
+from nmcompile.deploy.weight_files import SafetensorsFile, safetensors_metadata, stamp_safetensors
+from models import _gpt2, magnitude_2_4, tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(params=["gpt2", "llama"])
+def deployed(request):
+    torch.manual_seed(0)
+    model = _gpt2(transformers) if request.param == "gpt2" else tiny_llama(transformers)
+    magnitude_2_4(model)
+    return request.param, model
+
+
+def test_the_directory_records_each_weight_s_pattern_and_dim(tmp_path, deployed):
+    kind, model = deployed
+    files = save_pretrained(model, tmp_path / "out")
+    names = {os.path.basename(f) for f in files}
+    assert {"config.json", "model.safetensors", "model_packed.pt", "nmcompile.json"} <= names
+    record = json.loads((tmp_path / "out" / "nmcompile.json").read_text())
+    assert record["format"] == "nmcompile-layout" and record["version"] == 1 and record["nmcompile"] == nmcompile.__version__
+    if kind == "gpt2":
+        assert len(record["weights"]) == 8
+        assert record["weights"]["transformer.h.0.attn.c_attn.weight"] == {"pattern": "2:4", "dim": 0, "shape": [32, 96]}
+        assert record["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+        assert "embeddings are never sparsified" in record["dense"]["transformer.wte.weight"]
+    else:
+        assert len(record["weights"]) == 14
+        assert record["weights"]["model.layers.0.mlp.down_proj.weight"] == {"pattern": "2:4", "dim": 1, "shape": [64, 128]}
+        assert record["tied"] == {} and set(record["dense"]) == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert record["packed"] == {"file": "model_packed.pt"}
+    # the same record in the safetensors metadata, which HF's own keys keep
+    metadata = safetensors_metadata(tmp_path / "out" / "model.safetensors")
+    assert json.loads(metadata["nmcompile"]) == record and metadata["format"] == "pt"
+    assert read_layout(tmp_path / "out").weights == layout_of(model).weights
+
+
+def test_the_packed_file_is_packed_for_every_layout_and_smaller(tmp_path, deployed):
+    kind, model = deployed
+    save_pretrained(model, tmp_path / "out")
+    packed_path = tmp_path / "out" / "model_packed.pt"
+    state = torch.load(packed_path, weights_only=True)
+    layout = read_layout(tmp_path / "out")
+    assert all(name + ".nm24_meta" in state for name in layout.weights)
+    assert packed_path.stat().st_size < (tmp_path / "out" / "model.safetensors").stat().st_size
+    if kind == "gpt2":  # [in, out] packed as its transpose: values [out, in/2]
+        assert state["transformer.h.0.attn.c_attn.weight"].shape == (96, 16)
+        assert state._metadata["nmcompile.nm24"]["transposed"] == sorted(layout.weights, key=list(state).index)
+    expected = model.state_dict()
+    restored = unpack_state_dict(state)
+    assert restored.keys() == expected.keys()
+    assert all(torch.equal(restored[k], expected[k]) for k in expected)
+    assert nmcompile.check(packed_path).ok  # packed entries are checked along the dim they were packed along
+
+
+def test_save_refuses_a_model_without_a_finalized_weight_and_names_what_is_not_packed(tmp_path):
+    with pytest.raises(ValueError, match="no finalized N:M weight.*nmcompile.finalize"):
+        save_pretrained(tiny_llama(transformers), tmp_path / "plain")
+    assert not (tmp_path / "plain").exists()
+    model = nn.Sequential(nn.Linear(24, 8), nn.Linear(8, 4))  # a reduction dim of 24: 2:4, not packable
+    with torch.no_grad():
+        model[0].weight.copy_(nmcompile.masks.prune(model[0].weight, 2, 4, 1))
+    nmcompile.finalize(model, pattern="2:4")
+    with pytest.warns(UserWarning, match=r"model_packed.pt was not written: 0.weight's reduction dim \(24\)"):
+        files = save_pretrained(model, tmp_path / "seq")
+    assert sorted(os.path.basename(f) for f in files) == ["model.pt", "nmcompile.json"]
+    record = json.loads((tmp_path / "seq" / "nmcompile.json").read_text())
+    assert record["packed"] == {"file": None, "why": "0.weight's reduction dim (24) is not a multiple of 16"}
+    assert record["dense"] == {"1.weight": "not declared or finalized 2:4"}
+
+
+def test_a_save_into_an_earlier_save_replaces_it_whole(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_llama(transformers)
+    magnitude_2_4(model)
+    out = tmp_path / "out"
+    save_pretrained(model, out, max_shard_size="200KB")
+    assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and all("nmcompile" in safetensors_metadata(out / s) for s in shards)
+    assert nmcompile.check(out).ok and len(nmcompile.check(out)) == 14  # every shard read
+    assert nmcompile.check(out / shards[0]).ok  # one shard: the weights it holds
+    from nmcompile.kernels import cpu24
+
+    if cpu24.status().available:  # a packed load reads every shard
+        assert nmcompile.check(nmcompile.deploy.load_pretrained(out, packed=True)).ok
+    (out / "notes.txt").write_text("mine")
+    save_pretrained(model, out)
+    assert (out / "model.safetensors").exists() and not list(out.glob("model-*.safetensors"))
+    assert not (out / "model.safetensors.index.json").exists() and (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # not the staging folder's 0700
+
+
+def test_stamping_metadata_keeps_every_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2, 16).bfloat16()}
+    save_file(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
+    stamp_safetensors(tmp_path / "t.safetensors", {"nmcompile": "{}"})
+    back = load_file(tmp_path / "t.safetensors")
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+    assert safetensors_metadata(tmp_path / "t.safetensors") == {"format": "pt", "nmcompile": "{}"}
+    reader = SafetensorsFile(tmp_path / "t.safetensors")
+    assert torch.equal(reader.read("c", (1, 2)), tensors["c"][1:2]) and torch.equal(reader.read("b"), tensors["b"])
+
+
+def test_a_record_from_a_newer_nmcompile_or_damaged_is_named(tmp_path):
+    (tmp_path / "nmcompile.json").write_text(json.dumps({"format": "nmcompile-layout", "version": 9, "weights": {}}))
+    with pytest.raises(ValueError, match="layout record version 9.*upgrade nmcompile"):
+        read_layout(tmp_path)
+    (tmp_path / "nmcompile.json").write_text("{")
+    with pytest.raises(ValueError, match="nmcompile.json: not a readable JSON layout record"):
+        read_layout(tmp_path)
+    bad = {"format": "nmcompile-layout", "version": 1, "weights": {"w": {"pattern": "5:4", "dim": 1, "shape": [4]}}}
+    with pytest.raises(ValueError, match="the entry of 'w'.*invalid N:M pattern 5:4"):
+        Layout.from_json(bad, "here")
