@@ -106,6 +106,7 @@ def config_for(shape: Shape, max_positions: int = 131072):
         rope_parameters=rope, tie_word_embeddings=shape.tied, bos_token_id=0, eos_token_id=1,
         attention_bias=False, mlp_bias=False, initializer_range=STD)
     config.dtype = torch.bfloat16
+    config.architectures = ["LlamaForCausalLM"]  # as a from_pretrained model's save_pretrained writes it
     return config
 
 
@@ -179,9 +180,33 @@ def make_tokenizer(vocab_size: int):
                                                  model_max_length=1 << 20)
 
 
+def is_decoder_linear(name: str) -> bool:
+    return ".layers." in name and name.endswith("_proj.weight")
+
+
+def layout_24(entries, tied: bool):
+    """The layout record (nmcompile.json) of a model whose decoder linears are 2:4 along their input."""
+    from nmcompile.deploy.layout import Layout, LayoutWeight
+    from nmcompile.pattern import NMPattern
+
+    layout = Layout()
+    for name, dims in entries:
+        if is_decoder_linear(name):
+            layout.weights[name] = LayoutWeight(NMPattern(2, 4), 1, tuple(dims), "magnitude (make_models.py --nm 2:4)")
+        elif len(dims) >= 2:
+            layout.dense[name] = "embedding or output head, kept dense"
+    if tied:
+        layout.tied["lm_head.weight"] = "model.embed_tokens.weight"
+    layout.packed = {"file": None, "why": "make_models.py writes safetensors only; load_pretrained(packed=True) packs"}
+    return layout
+
+
 def write_model(out: str, shape: Shape | str, *, seed: int = 0, max_shard_size: int | str = "2GB",
-                max_positions: int = 131072, tokenizer_vocab: int = 2048, log=print) -> dict:
-    """Write the directory ``out`` (see the module doc); returns what was written (files, bytes, seconds)."""
+                max_positions: int = 131072, tokenizer_vocab: int = 2048, nm24: bool = False, log=print) -> dict:
+    """Write the directory ``out`` (see the module doc); returns what was written (files, bytes, seconds).
+    ``nm24``: every decoder linear pruned 2:4 by magnitude along its input, with the layout record
+    ``nmcompile.json`` that :func:`nmcompile.deploy.load_pretrained` reads (a stand-in for a pruned model:
+    the decode speed does not depend on which weights were kept)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -215,12 +240,20 @@ def write_model(out: str, shape: Shape | str, *, seed: int = 0, max_shard_size: 
             block = {}
             for name, dims in entries:
                 block[name] = tensor_for(name, dims, seed)
+                if nm24 and is_decoder_linear(name):
+                    from nmcompile import masks
+
+                    block[name] = masks.prune(block[name], 2, 4, 1).contiguous()
                 weight_map[name] = file
                 total += block[name].numel() * block[name].element_size()
             save_file(block, os.path.join(tmp, file), metadata={"format": "pt"})
             os.chmod(os.path.join(tmp, file), 0o666 & ~umask)  # safetensors writes 0600; the others follow umask
             del block
             log(f"  {file}: {len(entries)} tensors ({time.perf_counter() - start:.0f} s)")
+        if nm24:
+            from nmcompile.deploy.layout import write_layout
+
+            write_layout(tmp, layout_24(tensors(shape), shape.tied))
         if len(plan) > 1:
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
@@ -250,6 +283,8 @@ def main(argv=None) -> int:
                         "131072, as published; nothing is allocated from it)")
     parser.add_argument("--tokenizer-vocab", type=int, default=2048)
     parser.add_argument("--untied", action="store_true", help="an untied output head (lm_head.weight) on a tied shape")
+    parser.add_argument("--nm", choices=["2:4"], default=None, help="prune every decoder linear 2:4 by magnitude and "
+                        "write the layout record (nmcompile.json): a stand-in for a pruned model to load and decode")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     if args.untied:
@@ -258,7 +293,7 @@ def main(argv=None) -> int:
     try:
         done = write_model(args.out, shape, seed=args.seed, max_shard_size=args.max_shard_size,
                            max_positions=args.max_positions, tokenizer_vocab=args.tokenizer_vocab,
-                           log=lambda line: print(line, flush=True))
+                           nm24=args.nm == "2:4", log=lambda line: print(line, flush=True))
     except (FileExistsError, ValueError) as err:
         print(f"make_models: {err}", file=sys.stderr)
         return 2

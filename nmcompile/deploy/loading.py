@@ -121,7 +121,8 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     else:
         dtype_built = dtype
     with _parameters_on_meta():
-        model = cls._from_config(config, dtype=dtype_built)
+        build = getattr(cls, "_from_config", None) or cls.from_config  # the Auto classes: from_config
+        model = build(config, dtype=dtype_built)
     _stream(model, layout, sources, dtype)
     generation = os.path.join(path, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:

@@ -86,3 +86,23 @@ def test_shards_split_as_save_pretrained_does(make_models):
 def test_an_existing_directory_is_refused(make_models, tmp_path):
     with pytest.raises(FileExistsError):
         make_models.write_model(str(tmp_path), "tiny", log=lambda line: None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architectures", [True, False], ids=["with-architectures", "auto-class"])
+def test_a_2_4_stand_in_loads_packed_as_deployed(make_models, tmp_path, architectures):
+    import nmcompile
+    from nmcompile.deploy import load_pretrained
+
+    out = tmp_path / "tiny24"
+    make_models.write_model(str(out), "tiny", nm24=True, log=lambda line: None)
+    if not architectures:  # a config without them: load_pretrained builds through AutoModelForCausalLM
+        config = json.loads((out / "config.json").read_text())
+        config.pop("architectures")
+        (out / "config.json").write_text(json.dumps(config))
+    packed, dense = load_pretrained(out, packed=True), load_pretrained(out)
+    report = nmcompile.check(packed)
+    assert report.ok and len(report) == 7 * make_models.SHAPES["tiny"].layers
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, dense(ids).logits)
