@@ -27,8 +27,11 @@ temporary folder when no ``--model`` is given. ``--only`` picks parts (default: 
              that first call's, marked so.
              Dense and 2:4 are timed in one process, interleaved, where both fit in ``--max-gb``
              (default 90% of the memory available at start); else one after the other ("apart").
-             The 2:4 model: :func:`load_24` (the dense directory loaded, then block by block every
-             decoder linear pruned 2:4 by magnitude, ``finalize(block, pattern="2:4")``, ``pack_weights``).
+             The 2:4 model: :func:`load_24`: a deployed 2:4 directory beside the dense one
+             (``DIR-24``, written by ``nmcompile prune`` or ``make_models.py --nm 2:4``) loaded
+             straight into packed weights by ``nmcompile.deploy.load_pretrained(DIR-24, packed=True)``;
+             without one, the dense directory loaded, then block by block every decoder linear pruned
+             2:4 by magnitude, ``finalize(block, pattern="2:4")``, ``pack_weights``.
              The bound: the weight bytes a dense token reads over those a 2:4 token reads, counted
              from the models (every weight once; of an embedding that is not also the output head,
              one row), with the expected value from the shapes (2:4 weights at 0.53125x in fp32,
@@ -117,9 +120,22 @@ def load_24(path: str, dtype: torch.dtype) -> tuple[nn.Module, dict]:
     pruned directories (``nmcompile.deploy.load_pretrained(path, packed=True)``) once it lands.
     """
     import nmcompile
-    from nmcompile.deploy import pack_weights
+    from nmcompile.deploy import load_pretrained, pack_weights
 
     start = time.perf_counter()
+    pruned = path.rstrip("/") + "-24"
+    if os.path.isfile(os.path.join(pruned, "nmcompile.json")):  # the user's route: a deployed directory, packed
+        model = load_pretrained(pruned, packed=True, dtype=dtype)
+        release()
+        from nmcompile.kernels.dispatch import DECISION_ATTR
+
+        params = [p for p in model.parameters() if hasattr(p, "nbytes_packed")]
+        decisions = [getattr(p, DECISION_ATTR) for p in params]
+        return model, {"load_s": time.perf_counter() - start, "prune_s": 0.0, "pack_s": 0.0, "from": pruned,
+                       "finalized": len(params), "packed": len(params), "not_packed": {},
+                       "ranges": sorted({d.token_range for d in decisions}),
+                       "left_dense": [n for n, p in model.named_parameters() if p.dim() >= 2
+                                      and not hasattr(p, "nbytes_packed")]}
     model = load_dense(path, dtype)
     loaded = time.perf_counter()
     blocks: dict[str, list[nn.Linear]] = {}

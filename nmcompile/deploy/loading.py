@@ -23,7 +23,7 @@ from ..pattern import NMPattern
 from ..state import records
 from ..state.records import DEPLOYED, owners
 from .layout import Layout
-from .packed_weights import _set
+from .packed_weights import _range, _set
 from .restore import _layout, restore
 from .streaming import chunk_budget, packable, read_dense, read_packed
 from .weight_files import tensor_sources, weight_files
@@ -74,7 +74,8 @@ def _model_class(config, model_class):
     return transformers.AutoModelForCausalLM
 
 
-def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = None, model_class=None) -> nn.Module:
+def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = None, model_class=None,
+                    measure: bool = True) -> nn.Module:
     """The model a deployed directory holds, with its N:M weights recorded as deployed (eval mode).
 
     Args:
@@ -88,6 +89,11 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
         dtype: the floating dtype of the weights (default: as stored).
         model_class: the ``transformers`` model class (default: the config's ``architectures``, else
             ``AutoModelForCausalLM``).
+        measure: with ``packed``, time the kernel on each weight shape against unpacking it for a dense
+            GEMM and keep it for the token counts where it won, as :func:`nmcompile.deploy.pack_weights`
+            does (decisions are cached on disk: a second process reads them instead of timing; a shape
+            timed here holds at most 64 MB of scratch copies while it is timed); without it the kernel
+            takes every token count.
 
     Then ``nmcompile.check(model)`` passes and ``torch.compile(model, backend="nmsparse")`` deploys it.
 
@@ -123,14 +129,14 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     with _parameters_on_meta():
         build = getattr(cls, "_from_config", None) or cls.from_config  # the Auto classes: from_config
         model = build(config, dtype=dtype_built)
-    _stream(model, layout, sources, dtype)
+    _stream(model, layout, sources, dtype, measure)
     generation = os.path.join(path, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
     return model.eval()
 
 
-def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype | None) -> None:
+def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype | None, measure: bool) -> None:
     """Fill the meta parameters of ``model`` from ``sources``, the recorded 2:4 weights packed."""
     from .finalize import Deployed
 
@@ -175,7 +181,12 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             weight, bad, total = read_packed(source, key, dtype, entry.dim in (0, -2), budget)
             if bad:
                 _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} keep more than 2 of 4")
-            decision = Decision("cpu24", "packed only, loaded (every token count, not timed)", isa=weight.isa)
+            bias = getattr(places[0][1], "bias", None)
+            weight.max_tokens, ratios = _range(*weight.weight_shape, weight.dtype, isinstance(bias, torch.Tensor),
+                                               weight.isa, measure)
+            decision = Decision("cpu24", "packed only, loaded" + ("" if measure else " (every token count, not timed)"),
+                                max_tokens=weight.max_tokens, isa=weight.isa, ratios=ratios,
+                                speedup=ratios[0][1] if ratios else None)
             for _, module, pname in places:
                 _set(module, pname, weight, decision)
         else:
