@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["Status", "status", "isas", "best_isa", "cpu_layout", "packed_layout", "unpack", "ISAS", "DTYPES", "GROUP"]
+__all__ = ["Status", "status", "library_name", "isas", "best_isa", "cpu_layout", "packed_layout", "unpack", "ISAS", "DTYPES", "GROUP"]
 
 SOURCES = Path(__file__).with_name("cpu")
 #: ISA names the op takes, fastest first, with the cpu24_isa() bits each needs
@@ -60,6 +60,13 @@ def _library_name() -> str:
             digest.update(path.name.encode() + path.read_bytes())
     digest.update(f"{torch.__version__} {FLAGS}".encode())
     return f"nmcompile_cpu24_{digest.hexdigest()[:12]}"
+
+
+@functools.lru_cache(maxsize=1)
+def library_name() -> str:
+    """The native library's name: a digest of its sources, the torch version and the flags (a change
+    of any of them is a new build, and a new key for measured decisions)."""
+    return _library_name()
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,7 +110,7 @@ def _build() -> None:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{env_path}"
     try:
         cpp_extension.load(
-            name=_library_name(), sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            name=library_name(), sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )

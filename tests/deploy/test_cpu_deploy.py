@@ -98,7 +98,7 @@ def _patched_ratios(monkeypatch, ratios):
             kept.append((count, ratio, ratio > cpu_dispatch.MARGIN))
             if ratio <= cpu_dispatch.MARGIN:
                 break
-        return tuple(kept)
+        return cpu_dispatch.Ladder(tuple(kept))
 
     monkeypatch.setattr(cpu_dispatch, "_ratios", fake)
 
@@ -165,7 +165,7 @@ def test_dispatch_timing_reads_enough_copies_to_leave_the_cache(monkeypatch):
     monkeypatch.setattr(cpu_dispatch, "F", Spy)
     cpu_dispatch._ratios.cache_clear()
     try:
-        cpu_dispatch.sparse_range(64, 256, torch.float32, False, cpu24.isas()[0], ladder=(1,))
+        cpu_dispatch.sparse_range(64, 256, torch.float32, False, cpu24.best_isa(torch.float32), ladder=(1,))
     finally:
         cpu_dispatch._ratios.cache_clear()
     assert len(set(read)) == cpu_dispatch.MAX_COPIES  # a 64 KB weight: the cap, not one copy
