@@ -39,7 +39,7 @@ from . import cpu24, decision_cache
 from .dispatch import MARGIN, Decision
 
 __all__ = ["measure_cpu", "sparse_range", "sparse_ladder", "measure_ladder", "Ladder", "walk", "judge", "plausible",
-           "bytes_bound", "layer_timer", "CPU_LADDER", "time_pair", "time_series", "rotation"]
+           "bytes_bound", "layer_timer", "max_tokens_of", "provenance", "CPU_LADDER", "time_pair", "time_series", "rotation"]
 
 #: token counts tried when the graph's token count is dynamic
 CPU_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -257,8 +257,17 @@ def sparse_ladder(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: st
     """``(max_tokens, ladder)``: the largest rung up to which the kernel was clearly faster at every
     rung (0: not even at the first), and the :class:`Ladder` that says so."""
     measured = _ratios(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only)
-    faster = [count for count, _, clear in measured.rungs if clear]
-    return (faster[-1] if faster and faster[0] == ladder[0] else 0), measured
+    return max_tokens_of(measured), measured
+
+
+def max_tokens_of(measured: Ladder) -> int:
+    """The largest rung up to which the kernel was clearly faster at every rung (0: not at the first)."""
+    rung = 0
+    for count, _, clear in measured.rungs:
+        if not clear:
+            break
+        rung = count
+    return rung
 
 
 def sparse_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
