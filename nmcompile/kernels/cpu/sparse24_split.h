@@ -4,10 +4,10 @@
 // 0.4x of 1 thread with one of two cores busy).
 //
 // The end of a call waits for the last chunk, which a descheduled thread may hold. A thread with
-// nothing left to claim spins for about two of its own chunks' time (both threads finish within a
-// chunk of each other on quiet cores), then sleeps on a futex until the last chunk is done: its core
-// falls idle, and Linux's idle balancing can move the straggler onto it, where OpenMP's spinning
-// barrier would hold that core.
+// nothing left to claim spins for about two of its own chunks' time, 20 to 200 us (both threads
+// finish within a chunk of each other on quiet cores), then sleeps on a futex until the last chunk
+// is done: its core falls idle, and Linux's idle balancing can move the straggler onto it, where
+// OpenMP's spinning barrier would hold that core.
 #pragma once
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -39,6 +39,8 @@ struct SplitProbe {
 constexpr int64_t kMinGroupsPerThread = 8;
 // chunks per thread on an even split: an uneven end costs at most one chunk's time
 constexpr int64_t kChunksPerThread = 32;
+// how long a thread with nothing left spins before it sleeps (two of its chunks, within these)
+constexpr std::chrono::microseconds kMinSpin{20}, kMaxSpin{200};
 
 inline void futex_wait(std::atomic<int>* word, int expected) {
   syscall(SYS_futex, reinterpret_cast<int*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
@@ -75,7 +77,8 @@ inline void nm24_split(Nm24Rows rows, const Nm24Args& a, int64_t groups, SplitPr
       if (probe && me < static_cast<int64_t>(probe->chunks.size())) ++probe->chunks[me];
       if (done.fetch_add(1) + 1 == chunks && sleepers.load() > 0) futex_wake_all(&done);
     }
-    const Clock::time_point until = Clock::now() + std::max<Clock::duration>(2 * longest, std::chrono::microseconds(20));
+    const Clock::duration spin = std::min<Clock::duration>(std::max<Clock::duration>(2 * longest, kMinSpin), kMaxSpin);
+    const Clock::time_point until = Clock::now() + spin;
     while (done.load(std::memory_order_acquire) < chunks && Clock::now() < until) _mm_pause();
     sleepers.fetch_add(1);
     for (int seen = done.load(); seen < chunks; seen = done.load()) futex_wait(&done, seen);
