@@ -12,9 +12,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo(monkeypatch):
-    """Each test starts with an empty Dynamo cache and no NMSPARSE_RECIPE from the environment."""
+def _fresh_dynamo(monkeypatch, tmp_path_factory):
+    """Each test starts with an empty Dynamo cache, no NMSPARSE_RECIPE from the environment and its own
+    empty decision cache (never the user's: tests time with fake timers)."""
     monkeypatch.delenv("NMSPARSE_RECIPE", raising=False)
+    monkeypatch.delenv("NMCOMPILE_DECISION_CACHE", raising=False)
+    monkeypatch.setenv("NMCOMPILE_CACHE_DIR", str(tmp_path_factory.mktemp("nmcompile-cache")))
     torch._dynamo.reset()
     torch.manual_seed(0)
     yield

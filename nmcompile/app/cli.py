@@ -9,6 +9,8 @@
     nmcompile report RUN_DIR                         plots of a recorded run
     nmcompile prune MODEL --recipe sparsegpt:2:4 --calibration FILE --out DIR
                                                      one-shot N:M of a trained model from calibration text
+    nmcompile tune DIR [--threads N]... [--dtype fp32]...
+                                                     time the 2:4 CPU deploy decisions of a model's shapes once
 """
 
 from __future__ import annotations
@@ -98,6 +100,22 @@ def _prune(args) -> int:
         print(f"nmcompile prune: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary))
+    return 0
+
+
+def _tune(args) -> int:
+    from .tune import DTYPES, format_table, tune  # torch is imported here, not for --help
+
+    try:
+        rows, skipped = tune(
+            args.model_dir, threads=args.threads, dtypes=[DTYPES[d] for d in args.dtype or ()],
+            routes=args.route or ("compile", "pack_weights"), tokens=args.tokens, include_heads=args.all,
+            progress=None if args.quiet else (lambda line: print(f"timing {line}", file=sys.stderr, flush=True)),
+        )
+    except (ImportError, ValueError, OSError, RuntimeError) as err:
+        print(f"nmcompile tune: {err}", file=sys.stderr)
+        return 2
+    print(format_table(rows, skipped))
     return 0
 
 
@@ -196,6 +214,27 @@ def main(argv=None) -> int:
                    "which updates the statistics in place)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_prune)
+    p = sub.add_parser(
+        "tune", help="time the 2:4 CPU kernel against dense on a model's linear shapes once, for every later deploy",
+        description="Builds the model of a Hugging Face directory's config.json on the meta device (no weights read), "
+        "times the 2:4 CPU kernel against dense on each distinct linear shape as a compile would, and stores each "
+        "decision in the decision cache ($NMCOMPILE_CACHE_DIR, else $XDG_CACHE_HOME/nmcompile or ~/.cache/nmcompile), "
+        "keyed by CPU, threads, dtype, shape and versions: later processes then compile without timing. Run it on a "
+        "quiet machine; a timing that cannot be right is not stored. Output heads and MoE routers are left out "
+        "(kept dense by default) unless --all. Exit status 2 on bad input.",
+    )
+    p.add_argument("model_dir", help="a local Hugging Face model directory (its config.json is read)")
+    p.add_argument("--threads", type=int, nargs="+", help="thread counts to time at (default: torch's current, "
+                   "which is what a deploying process with the same OMP_NUM_THREADS uses)")
+    p.add_argument("--dtype", action="append", choices=("fp32", "bf16", "fp16"), help="weight dtype (repeatable; "
+                   "default: the config's dtype, fp32 where it names none)")
+    p.add_argument("--route", action="append", choices=("compile", "pack_weights"), help="deploy route (repeatable; "
+                   "default both): torch.compile of a finalized model, or pack_weights (packed only)")
+    p.add_argument("--tokens", type=int, nargs="+", help="static token counts to time as well (a graph compiled "
+                   "with a fixed count times that count alone; default: the dynamic ladder only)")
+    p.add_argument("--all", action="store_true", help="also output heads and MoE routers")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(run=_tune)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -32,12 +32,14 @@ from ..state.records import DEPLOYED, deployed_of, owners
 __all__ = ["pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight"]
 
 
-def _range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, measure: bool) -> tuple[int, tuple]:
+def _range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, measure: bool) -> tuple[int, tuple, str]:
+    """``(max_tokens, ratios, how)``: the measured range, and how it was decided ("" when timed now)."""
     if not measure:
-        return -1, ()
-    from ..kernels.cpu_dispatch import sparse_range
+        return -1, (), ""
+    from ..kernels.cpu_dispatch import provenance, sparse_ladder
 
-    return sparse_range(out_f, in_f, dtype, bias, isa, packed_only=True)
+    max_tokens, measured = sparse_ladder(out_f, in_f, dtype, bias, isa, packed_only=True)
+    return max_tokens, measured.ratios, provenance(measured)
 
 
 def _set(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision) -> None:
@@ -86,11 +88,11 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
             continue
         isa = cpu24.best_isa(weight.dtype)
         bias = getattr(module, "bias", None)
-        max_tokens, ratios = _range(*weight.shape, weight.dtype, isinstance(bias, torch.Tensor), isa, measure)
+        max_tokens, ratios, how = _range(*weight.shape, weight.dtype, isinstance(bias, torch.Tensor), isa, measure)
         packed = pack(weight)
         values, bits = cpu24.cpu_layout(packed.values, packed.meta)
         tensor = PackedLinearWeight(values, bits, tuple(weight.shape), max_tokens, isa, transposed)
-        reason = "packed only" + ("" if measure else ", every token count (not timed)")
+        reason = "packed only" + ("" if measure else ", every token count (not timed)") + (f"; {how}" if how else "")
         decision = Decision("cpu24", reason, max_tokens=max_tokens, isa=isa, ratios=ratios,
                             speedup=ratios[0][1] if ratios else None)
         for _, holder, attr in places:

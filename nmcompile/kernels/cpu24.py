@@ -11,7 +11,12 @@ time a process asks for them, into PyTorch's extension cache (``TORCH_EXTENSIONS
   (``max_tokens >= 0``) take the dense GEMM, on ``weight`` when given, else on the weight unpacked
   for the call. fp32 accumulation, any token count, any input strides, the bias fused;
 - ``nmsparse::cpu24_unpack(values, bits)``: the dense weight;
-- ``nmsparse::cpu24_isa()``: what this CPU runs (:data:`ISAS`).
+- ``nmsparse::cpu24_isa()``: what this CPU runs (:data:`ISAS`);
+- ``nmsparse::cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us)``: the sparse
+  product with one thread slowed down, and the row chunks each thread computed (tests of the split).
+
+Threads claim small chunks of row groups as they finish (``cpu/sparse24_split.h``), so a thread
+whose core is busy with another process takes fewer chunks instead of holding every call.
 
 :func:`status` says whether the kernel can run here and, if not, why (not x86-64, no compiler, a
 failed build with the compiler's message); the deploy dispatch then keeps the dense kernel and
@@ -31,8 +36,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["Status", "status", "isas", "best_isa", "cpu_layout", "packed_layout", "cpu_pack", "unpack", "ISAS", "DTYPES",
-           "GROUP"]
+__all__ = ["Status", "status", "library_name", "isas", "best_isa", "cpu_layout", "packed_layout", "cpu_pack", "unpack",
+           "ISAS", "DTYPES", "GROUP"]
 
 SOURCES = Path(__file__).with_name("cpu")
 #: ISA names the op takes, fastest first, with the cpu24_isa() bits each needs
@@ -56,6 +61,13 @@ def _library_name() -> str:
             digest.update(path.name.encode() + path.read_bytes())
     digest.update(f"{torch.__version__} {FLAGS}".encode())
     return f"nmcompile_cpu24_{digest.hexdigest()[:12]}"
+
+
+@functools.lru_cache(maxsize=1)
+def library_name() -> str:
+    """The native library's name: a digest of its sources, the torch version and the flags (a change
+    of any of them is a new build, and a new key for measured decisions)."""
+    return _library_name()
 
 
 @functools.lru_cache(maxsize=1)
@@ -99,7 +111,7 @@ def _build() -> None:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{env_path}"
     try:
         cpp_extension.load(
-            name=_library_name(), sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            name=library_name(), sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )

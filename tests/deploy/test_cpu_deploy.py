@@ -98,7 +98,7 @@ def _patched_ratios(monkeypatch, ratios):
             kept.append((count, ratio, ratio > cpu_dispatch.MARGIN))
             if ratio <= cpu_dispatch.MARGIN:
                 break
-        return tuple(kept)
+        return cpu_dispatch.Ladder(tuple(kept))
 
     monkeypatch.setattr(cpu_dispatch, "_ratios", fake)
 

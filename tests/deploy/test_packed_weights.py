@@ -223,7 +223,7 @@ def test_measured_range_compares_the_kernel_with_unpacking_plus_dense(monkeypatc
 
     def fake(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only=False):
         calls.append(packed_only)
-        return ((1, 3.0, True), (2, 2.5, True), (4, 1.5, True), (8, 0.9, False))
+        return cpu_dispatch.Ladder(((1, 3.0, True), (2, 2.5, True), (4, 1.5, True), (8, 0.9, False)))
 
     monkeypatch.setattr(cpu_dispatch, "_ratios", fake)
     model = finalized()

@@ -6,6 +6,8 @@
 //     call. isa: "avx512_bf16", "avx512", "avx2", "emulated512", "emulated512_bf16".
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
+//   cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us) -> (out, chunks per thread):
+//     the sparse product with one thread slowed down, for tests of the work split (sparse24_split.h).
 #include <cpuid.h>
 #include <unistd.h>
 
@@ -16,6 +18,7 @@
 #include <torch/library.h>
 
 #include "sparse24_args.h"
+#include "sparse24_split.h"
 
 namespace {
 
@@ -118,22 +121,14 @@ at::Tensor cpu24_unpack(const at::Tensor& values, const at::Tensor& bits, int64_
   return dense;
 }
 
-at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
-                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& weight,
-                        int64_t n, int64_t max_tokens, c10::string_view isa_name) {
-  check_layout(values, bits, n);
+// the 2:4 product of every row of x (no dense fallback); probe: the split's test hook, else null
+at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+                          const c10::optional<at::Tensor>& bias, int64_t n, c10::string_view isa_name,
+                          SplitProbe* probe) {
   const int64_t k = bits.size(1) * 16;
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "nmsparse::cpu24_linear: input ", shape_str(x),
-              " does not match the weight's in_features ", k);
-  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nmsparse::cpu24_linear: input dtype ", x.scalar_type(),
-              " differs from the weight's ", values.scalar_type(), " (as for F.linear, cast one of them)");
   const int64_t tokens = k ? x.numel() / k : 0;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
-  if (max_tokens >= 0 && tokens > max_tokens) {  // the measured range ends here: dense GEMM
-    const bool resident = weight.has_value() && weight->defined() && weight->numel() > 0;
-    return at::linear(x, resident ? *weight : cpu24_unpack(values, bits, n), bias);
-  }
   const Isa isa = isa_of(isa_name);
   TORCH_CHECK((isa_flags() & isa.needs) == isa.needs, "nmsparse::cpu24_linear: this CPU cannot run isa '",
               std::string(isa_name), "' (cpu24_isa() = ", isa_flags(), ")");
@@ -154,11 +149,43 @@ at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at:
   Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), wdtype_of(values.scalar_type()),
              reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
              out.data_ptr<float>(), n, panel_bytes()};
-  // by groups of rows; a thread takes at least 8 groups (small layers stay on one thread)
-  at::parallel_for(0, values.size(0), 8, [&](int64_t g0, int64_t g1) {
-    isa.rows(a, g0 * NM24_GROUP, g1 * NM24_GROUP);
-  });
+  nm24_split(isa.rows, a, values.size(0), probe);
   return out.to(x.scalar_type()).view(out_shape);
+}
+
+void check_input(const at::Tensor& x, const at::Tensor& values, int64_t k) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "nmsparse::cpu24_linear: input ", shape_str(x),
+              " does not match the weight's in_features ", k);
+  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nmsparse::cpu24_linear: input dtype ", x.scalar_type(),
+              " differs from the weight's ", values.scalar_type(), " (as for F.linear, cast one of them)");
+}
+
+at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& weight,
+                        int64_t n, int64_t max_tokens, c10::string_view isa_name) {
+  check_layout(values, bits, n);
+  const int64_t k = bits.size(1) * 16;
+  check_input(x, values, k);
+  const int64_t tokens = k ? x.numel() / k : 0;
+  if (max_tokens >= 0 && tokens > max_tokens) {  // the measured range ends here: dense GEMM
+    const bool resident = weight.has_value() && weight->defined() && weight->numel() > 0;
+    return at::linear(x, resident ? *weight : cpu24_unpack(values, bits, n), bias);
+  }
+  return sparse_product(x, values, bits, bias, n, isa_name, nullptr);
+}
+
+// cpu24_linear's sparse product with OpenMP thread `slow_thread` sleeping slow_us before each chunk
+// it claims; returns the output and the chunks each thread computed (tests of the dynamic split)
+std::tuple<at::Tensor, at::Tensor> cpu24_split_probe(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+                                                     int64_t n, c10::string_view isa_name, int64_t slow_thread,
+                                                     int64_t slow_us) {
+  check_layout(values, bits, n);
+  check_input(x, values, bits.size(1) * 16);
+  SplitProbe probe;
+  probe.slow_thread = slow_thread;
+  probe.slow_us = slow_us;
+  auto out = sparse_product(x, values, bits, c10::nullopt, n, isa_name, &probe);
+  return {out, at::tensor(probe.chunks, at::kLong)};
 }
 
 }  // namespace
@@ -167,11 +194,13 @@ TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
   m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
   m.def("cpu24_isa() -> int");
+  m.def("cpu24_split_probe(Tensor x, Tensor values, Tensor bits, int out_features, str isa, int slow_thread, int slow_us) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(nmsparse, CPU, m) {
   m.impl("cpu24_linear", cpu24_linear);
   m.impl("cpu24_unpack", cpu24_unpack);
+  m.impl("cpu24_split_probe", cpu24_split_probe);
 }
 
 TORCH_LIBRARY_IMPL(nmsparse, CompositeExplicitAutograd, m) { m.impl("cpu24_isa", isa_flags); }

@@ -1,0 +1,94 @@
+"""``nmcompile tune DIR``: each distinct linear shape of a model's config timed once, into the decision
+cache, which a later compile then reads without timing. The timer is faked (deterministic)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nmcompile.app.cli import main
+from nmcompile.kernels import cpu24, cpu_dispatch, decision_cache
+
+needs_kernel = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256)
+    config.save_pretrained(tmp_path / "tiny-llama")
+    return tmp_path / "tiny-llama"
+
+
+@pytest.fixture
+def fake_timer(monkeypatch):
+    """A layer 2x faster sparse up to 4 tokens, slower above; counts the shapes timed."""
+    timed = []
+
+    def layer_timer(out_f, in_f, dtype, bias, isa, packed_only):
+        timed.append((out_f, in_f, dtype, packed_only))
+        return lambda tokens: ([2.0] * 9, [1.0] * 9) if tokens <= 4 else ([1.0] * 9, [2.0] * 9)
+
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", layer_timer)
+    cpu_dispatch._ratios.cache_clear()
+    yield timed
+    cpu_dispatch._ratios.cache_clear()
+
+
+@needs_kernel
+def test_tune_times_each_distinct_shape_once_and_a_compile_then_reads_it(llama_dir, fake_timer, capsys, monkeypatch):
+    code = main(["tune", str(llama_dir), "--threads", "1", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    shapes = {(64, 64), (32, 64), (128, 64), (64, 128)}  # q/o, k/v, gate/up, down; lm_head [256, 64] left out
+    assert {(o, i) for o, i, _, _ in fake_timer} == shapes and len(fake_timer) == 2 * len(shapes)  # two routes
+    assert {packed for *_, packed in fake_timer} == {False, True}
+    for o, i in shapes:
+        assert f"[{o}, {i}]" in out
+    assert "[256, 64]" not in out and "left out (1): lm_head: kept dense by default: an output head" in out
+    assert "1 to 4" in out and "1:2.00x 2:2.00x 4:2.00x 8:0.50x" in out and out.count("stored") == 8
+    assert len(list((decision_cache.cache_root() / "cpu24").glob("*.json"))) == 8
+
+    def refuse(*args):
+        raise AssertionError("timed although tune stored this shape")
+
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", refuse)
+    cpu_dispatch._ratios.cache_clear()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the thread count tune timed at
+    try:
+        max_tokens, ladder = cpu_dispatch.sparse_ladder(128, 64, torch.float32, False, cpu24.best_isa(torch.float32))
+    finally:
+        torch.set_num_threads(before)
+    assert max_tokens == 4 and ladder.source == "cached"
+
+
+@needs_kernel
+def test_tune_takes_dtypes_routes_and_static_token_counts(llama_dir, fake_timer, capsys):
+    code = main(["tune", str(llama_dir), "--dtype", "bf16", "--route", "compile", "--tokens", "3", "--quiet", "--all"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert {dtype for _, _, dtype, _ in fake_timer} == {torch.bfloat16}
+    assert {packed for *_, packed in fake_timer} == {False}
+    assert "[256, 64]" in out  # --all: the head too
+    assert len(fake_timer) == 5 * 2  # five shapes, each the dynamic ladder and 3 tokens
+    assert "3 to 3" in out
+
+
+def test_tune_errors_say_what_was_wrong(tmp_path, capsys, monkeypatch):
+    assert main(["tune", str(tmp_path / "missing")]) == 2
+    assert "has no config.json; pass a Hugging Face model directory" in capsys.readouterr().err
+    monkeypatch.setenv("NMCOMPILE_DECISION_CACHE", "off")
+    assert main(["tune", str(tmp_path)]) == 2
+    assert "the decision cache is off (NMCOMPILE_DECISION_CACHE=off)" in capsys.readouterr().err
+
+
+def test_the_command_s_help_does_not_load_tune_or_transformers():
+    code = ("import sys\nfrom nmcompile.app import cli\n"
+            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('nmcompile.app.tune' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "False False", done.stdout + done.stderr
+    assert "tune" in done.stdout

@@ -1,0 +1,99 @@
+"""The 2:4 CPU kernel's work split: threads claim chunks of row groups as they finish, so a slow thread
+(a busy core) takes fewer of them, and the result does not depend on who computed which rows.
+
+A row's result depends only on its own tile, so 1 and 2 threads give bitwise equal outputs. The
+slowed thread comes from ``nmsparse::cpu24_split_probe`` (the same product, one thread sleeping before
+each chunk it claims, and each thread's chunk count returned): a static half each would count equal.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nmcompile import pack
+from nmcompile.kernels import cpu24
+
+pytestmark = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
+
+BUSY = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+
+
+def layout(out_f, in_f, dtype=torch.float32, seed=0):
+    from nmcompile import masks
+
+    w = masks.prune(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)), 2, 4, 1).to(dtype)
+    p = pack(w)
+    return cpu24.cpu_layout(p.values, p.meta)
+
+
+def product(threads, x, values, bits, out_f, isa):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return torch.ops.nmsparse.cpu24_linear(x, values, bits, None, None, out_f, -1, isa)
+    finally:
+        torch.set_num_threads(before)
+
+
+def probe(threads, x, values, bits, out_f, isa, slow_thread, slow_us):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return torch.ops.nmsparse.cpu24_split_probe(x, values, bits, out_f, isa, slow_thread, slow_us)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("slow_thread", [0, 1])
+def test_a_slowed_thread_takes_few_chunks_and_the_result_is_unchanged(slow_thread):
+    values, bits = layout(1024, 256)  # 128 groups of 8 rows: 64 chunks of 2 groups on 2 threads
+    isa = cpu24.best_isa(torch.float32)
+    x = torch.randn(1, 256)
+    expected = product(1, x, values, bits, 1024, isa)
+    quiet, counts = probe(2, x, values, bits, 1024, isa, -1, 0)
+    if len(counts) != 2:
+        pytest.skip(f"OpenMP gave {len(counts)} thread(s) for 2")
+    assert torch.equal(quiet, expected) and int(counts.sum()) == 64
+    # the slowed thread sleeps 5 ms before each chunk it claims; each chunk is microseconds of work
+    out, counts = probe(2, x, values, bits, 1024, isa, slow_thread, 5000)
+    assert torch.equal(out, expected)
+    fast = 1 - slow_thread
+    assert int(counts.sum()) == 64 and counts[fast] >= 48, counts.tolist()  # a static split: 32 each
+
+
+def test_a_layer_too_small_to_split_stays_on_one_thread():
+    values, bits = layout(56, 64)  # 7 groups: under the 8 a thread takes at least
+    out, counts = probe(2, torch.randn(3, 64), values, bits, 56, cpu24.best_isa(torch.float32), -1, 0)
+    assert counts.tolist() == [1] and out.shape == (3, 56)
+
+
+@pytest.mark.parametrize("out_f", [128, 136, 520, 4800])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_two_threads_equal_one_bitwise_for_any_chunking(out_f, tokens):
+    # 16, 17, 65 and 600 groups: chunks of 1 to 9 groups, the last one shorter
+    for dtype in cpu24.DTYPES:
+        values, bits = layout(out_f, 64, dtype)
+        x = torch.randn(tokens, 64).to(dtype)
+        for isa in ("emulated512", cpu24.best_isa(dtype)):
+            assert torch.equal(product(2, x, values, bits, out_f, isa), product(1, x, values, bits, out_f, isa))
+
+
+def test_results_stay_exact_with_a_busy_loop_pinned_to_one_core():
+    core = max(os.sched_getaffinity(0))
+    layers = [(layout(out_f, in_f, seed=i), out_f, in_f) for i, (out_f, in_f) in enumerate([(1024, 512), (600, 1040)])]
+    isa = cpu24.best_isa(torch.float32)
+    inputs = [(torch.randn(tokens, in_f), (values, bits), out_f) for (values, bits), out_f, in_f in layers
+              for tokens in (1, 7)]
+    expected = [product(1, x, v, b, out_f, isa) for x, (v, b), out_f in inputs]
+    loop = subprocess.Popen([sys.executable, "-c", BUSY, str(core)])
+    try:
+        for _ in range(30):
+            for (x, (v, b), out_f), want in zip(inputs, expected):
+                assert torch.equal(product(2, x, v, b, out_f, isa), want)
+        assert loop.poll() is None, "the busy loop ended early"
+    finally:
+        loop.kill()
+        loop.wait()

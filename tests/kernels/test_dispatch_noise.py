@@ -1,0 +1,133 @@
+"""The CPU dispatch under a noisy timer: a measurement that cannot be right is timed again, then left to
+the bytes model, named in the decision and never written to the decision cache.
+
+The timer is injected (``cpu_dispatch.layer_timer``, or the ``measure`` argument of ``walk``): a
+quiet 2x layer is 2.0 against 1.0 per call, then noise as a busy machine makes it.
+"""
+
+import random
+
+import pytest
+import torch
+
+import nmcompile
+from nmcompile.kernels import cpu24, cpu_dispatch, decision_cache
+from nmcompile.kernels.dispatch import Decision
+
+BIG = (4096, 4096)  # 64 MB of fp32: streams from memory at one token
+TINY = (64, 64)
+
+
+def noisy(rng, quiet_dense=2.0, quiet_sparse=1.0, samples=11):
+    """``measure(tokens)`` of a layer whose quiet ratio is quiet_dense / quiet_sparse at every count,
+    with one of the noises of a shared machine chosen at random for each rung."""
+    def measure(tokens):
+        kind = rng.choice(["jitter", "spikes", "busy_sparse", "busy_both", "descheduled"])
+        dense, sparse = [], []
+        for _ in range(samples):
+            d, s = quiet_dense * tokens * rng.lognormvariate(0, 0.1), quiet_sparse * tokens * rng.lognormvariate(0, 0.1)
+            if kind == "spikes":  # another process takes the core for a while, now and then
+                d *= rng.choice([1, 1, 1, rng.uniform(5, 50)])
+                s *= rng.choice([1, 1, 1, rng.uniform(5, 50)])
+            elif kind == "busy_sparse":  # the kernel's second thread sits on a busy core
+                s *= rng.uniform(2.5, 6)
+            elif kind == "busy_both":
+                d *= rng.uniform(1, 4)
+                s *= rng.uniform(2, 8)
+            elif kind == "descheduled":  # most sparse calls lose a scheduler slice
+                s += rng.choice([0, 3, 3, 3]) * quiet_dense * tokens
+            dense.append(d)
+            sparse.append(s)
+        return dense, sparse
+
+    return measure
+
+
+def test_a_2x_layer_is_never_sent_to_dense_by_noise():
+    rng = random.Random(0)
+    kinds = set()
+    for trial in range(400):
+        ladder = cpu_dispatch.walk(cpu_dispatch.CPU_LADDER, noisy(rng), *BIG, torch.float32)
+        first = ladder.rungs[0]
+        assert first[0] == 1 and first[2], (trial, ladder)  # sparse at one token, measured or by the bytes
+        kinds.add(ladder.source)
+    assert kinds == {"timed", "bytes"}  # both ways occurred: some noise passed as clean, some did not
+
+
+def test_a_quiet_2x_layer_is_timed_once_per_rung_and_trusted():
+    calls = []
+
+    def quiet(tokens):
+        calls.append(tokens)
+        return [2.0] * 9, [1.0] * 9
+
+    ladder = cpu_dispatch.walk((1, 2, 4), quiet, *BIG, torch.float32)
+    assert calls == [1, 2, 4] and ladder.source == "timed" and all(clear for _, _, clear in ladder.rungs)
+
+
+def test_a_rung_that_cannot_be_right_is_timed_again_and_a_clean_retry_kept():
+    series = iter([([1.0] * 9, [4.0] * 9), ([1.0] * 5 + [9.0] * 4, [1.0] * 9), ([2.0] * 9, [1.0] * 9)])
+    calls = []
+
+    def measure(tokens):
+        calls.append(tokens)
+        return next(series)
+
+    ladder = cpu_dispatch.walk((1,), measure, *BIG, torch.float32)
+    # 0.25x (below the floor), then a spread wider than the difference, then clean
+    assert calls == [1, 1, 1] and ladder.source == "timed" and ladder.rungs == ((1, 2.0, True),)
+
+
+def test_judge_names_what_cannot_be_right():
+    floor, bytes_win = cpu_dispatch.plausible(*BIG, torch.float32, 1)
+    assert bytes_win and abs(floor - 0.5 * 4 / 2.125) < 1e-9  # half the fp32 bytes bound (1.88x)
+    assert cpu_dispatch.plausible(*BIG, torch.float32, 2) == (cpu_dispatch.ABSURD_RATIO, False)
+    assert cpu_dispatch.plausible(*TINY, torch.float32, 1) == (cpu_dispatch.ABSURD_RATIO, False)
+    _, clear, doubt = cpu_dispatch.judge(1, [1.0] * 9, [2.0] * 9, floor, bytes_win)
+    assert not clear and "0.50x at 1 tokens, below the 0.94x that can be right" in doubt
+    _, clear, doubt = cpu_dispatch.judge(1, [1.0, 1.0, 1.5, 2.0, 2.0], [1.0] * 5, floor, bytes_win)
+    assert not clear and "quartile spreads" in doubt
+    # a clean, slower result above the floor is believed (the kernel can lose on some CPU)
+    assert cpu_dispatch.judge(1, [1.0] * 9, [1.03] * 9, floor, bytes_win)[1:] == (False, None)
+    # where the bytes promise nothing, a slower result is the conservative answer unless absurd
+    assert cpu_dispatch.judge(8, [1.0] * 5, [2.0] * 5, 0.1, False)[1:] == (False, None)
+    assert "below the 0.10x" in cpu_dispatch.judge(1, [1.0] * 5, [100.0] * 5, 0.1, False)[2]
+
+
+@pytest.fixture
+def fresh():
+    cpu_dispatch._ratios.cache_clear()
+    yield
+    cpu_dispatch._ratios.cache_clear()
+
+
+def patched_timer(monkeypatch, measure):
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", lambda *args: measure)
+
+
+@pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
+def test_a_busy_machine_s_timing_falls_back_to_the_bytes_and_is_not_cached(monkeypatch, fresh):
+    patched_timer(monkeypatch, lambda tokens: ([1.0] * 9, [2.0] * 9))  # 0.5x, tight: the static split's busy core
+    w = nmcompile.masks.prune(torch.randn(*BIG), 2, 4, 1)
+    decision = cpu_dispatch.measure_cpu(nmcompile.kernels.dispatch.qualify(w, "auto"), w, None, None)
+    assert decision.kernel == "cpu24" and decision.max_tokens == 1 and decision.speedup is None
+    assert "the bytes decide, the timings could not be right: 0.50x at 1 tokens, below the 0.94x" in decision.reason
+    assert "(4 times)" in decision.reason and decision.ratios == ((1, 0.5), (2, 0.5))  # 2 tokens: timed slower
+    assert not (decision_cache.cache_root() / "cpu24").exists()  # nothing recorded
+
+
+def test_an_absurd_ratio_on_a_tiny_layer_is_dense_for_now_and_not_cached(monkeypatch, fresh):
+    patched_timer(monkeypatch, lambda tokens: ([1.0] * 9, [100.0] * 9))  # 0.01x: a broken measurement
+    max_tokens, ladder = cpu_dispatch.sparse_ladder(*TINY, torch.float32, False, "avx2")
+    assert max_tokens == 0 and ladder.source == "bytes" and "0.01x at 1 tokens, below the 0.10x" in ladder.note
+    assert not (decision_cache.cache_root() / "cpu24").exists()
+    decision = cpu_dispatch.measure_cpu(Decision("cpu24", "2:4 weight, timed", isa="avx2"),
+                                        torch.zeros(*TINY), None, None)
+    assert decision.kernel == "dense" and "the bytes decide, the timings could not be right" in decision.reason
+
+
+def test_a_trusted_timing_is_cached(monkeypatch, fresh):
+    patched_timer(monkeypatch, lambda tokens: ([2.0] * 9, [1.0] * 9) if tokens < 8 else ([1.0] * 9, [1.5] * 9))
+    max_tokens, ladder = cpu_dispatch.sparse_ladder(*BIG, torch.float32, False, "avx2")
+    assert max_tokens == 4 and ladder.source == "timed"
+    assert len(list((decision_cache.cache_root() / "cpu24").glob("*.json"))) == 1
