@@ -182,9 +182,10 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             if bad:
                 _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} keep more than 2 of 4")
             bias = getattr(places[0][1], "bias", None)
-            weight.max_tokens, ratios = _range(*weight.weight_shape, weight.dtype, isinstance(bias, torch.Tensor),
-                                               weight.isa, measure)
-            decision = Decision("cpu24", "packed only, loaded" + ("" if measure else " (every token count, not timed)"),
+            weight.max_tokens, ratios, how = _range(*weight.weight_shape, weight.dtype, isinstance(bias, torch.Tensor),
+                                                    weight.isa, measure)
+            decision = Decision("cpu24", "packed only, loaded" + ("" if measure else " (every token count, not timed)")
+                                + (f"; {how}" if how else ""),
                                 max_tokens=weight.max_tokens, isa=weight.isa, ratios=ratios,
                                 speedup=ratios[0][1] if ratios else None)
             for _, module, pname in places:
