@@ -1,10 +1,11 @@
 """The 2:4 CPU kernel on shared cores: 1 against 2 threads, quiet and with a busy loop pinned to one core.
 
 The issue's case: four finalized 2:4 layers of [4096, 4096] fp32 held packed, one token through all
-four in turn (ms per token), the op ``nmsparse::cpu24_linear`` against dense ``F.linear``, timed
-interleaved (medians of rounds; each round starts one method later), in one process per thread count
-(1, then 2): an OpenMP team that just ran spins for a while on its cores, which would slow a 1-thread
-call timed right after a 2-thread one on a loaded machine. Then the same with a second process spinning on the last core (``os.sched_setaffinity``),
+four in turn (ms per token), the op ``nmsparse::cpu24_linear`` and dense ``F.linear``, each in its
+own process per thread count (medians of rounds): an OpenMP team that just ran (dense's GEMV at 2
+threads) spins for milliseconds on its cores, which would slow whatever is timed right after it
+when a core is busy. ``--interleaved`` times kernel and dense alternately in one process instead,
+as a model mixing both runs them. Then the same with a second process spinning on the last core (``os.sched_setaffinity``),
 as another user's job would. The target: with the busy loop, the kernel at 2 threads is no slower
 than at 1. Also prints the kernel's one-thread bytes per second (packed bytes / time) beside dense
 GEMV's (dense bytes / time), the quiet 1-thread figures.
@@ -79,23 +80,30 @@ def methods(stack, isa: str, size: int, dtype: torch.dtype) -> dict:
 
 
 def child(args) -> int:
-    """One thread count: the kernel and dense interleaved; prints {method: times} as JSON."""
+    """One thread count and method (or both, interleaved); prints {method: times} as JSON."""
     dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.child)
     stack = weights(args.layers, args.size, dtype)
+    fns = methods(stack, args.isa, args.size, dtype)
+    if args.method != "both":
+        fns = {args.method: fns[args.method]}
     with torch.no_grad():
-        times = interleaved(methods(stack, args.isa, args.size, dtype), args.rounds)
+        times = interleaved(fns, args.rounds)
     print(json.dumps(times))
     return 0
 
 
 def measure(args, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(threads), "--isa", args.isa, "--dtype", args.dtype,
-           "--layers", str(args.layers), "--size", str(args.size), "--rounds", str(args.rounds)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    times = json.loads(done.stdout.strip().splitlines()[-1])
-    return {f"{name}_{threads}t": {"median_ms": statistics.median(t) * 1e3, "q1_ms": statistics.quantiles(t, n=4)[0] * 1e3,
-                                   "q3_ms": statistics.quantiles(t, n=4)[2] * 1e3} for name, t in times.items()}
+    out = {}
+    for method in ("both",) if args.interleaved else ("kernel", "dense"):
+        cmd = [sys.executable, __file__, "--child", str(threads), "--method", method, "--isa", args.isa, "--dtype",
+               args.dtype, "--layers", str(args.layers), "--size", str(args.size), "--rounds", str(args.rounds)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        times = json.loads(done.stdout.strip().splitlines()[-1])
+        out.update({f"{name}_{threads}t": {"median_ms": statistics.median(t) * 1e3,
+                                           "q1_ms": statistics.quantiles(t, n=4)[0] * 1e3,
+                                           "q3_ms": statistics.quantiles(t, n=4)[2] * 1e3} for name, t in times.items()})
+    return out
 
 
 def busy_loop(core: int) -> subprocess.Popen:
@@ -110,7 +118,9 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--out")
+    parser.add_argument("--interleaved", action="store_true", help="kernel and dense alternately in one process")
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--method", default="both", choices=("kernel", "dense", "both"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not cpu24.status().available:
         print(f"no 2:4 CPU kernel here: {cpu24.status().reason}", file=sys.stderr)
@@ -124,7 +134,8 @@ def main() -> int:
     dense_bytes = args.layers * args.size * args.size * element
     packed_bytes = args.layers * (args.size * args.size // 2 * element + args.size * args.size // 16 * 2)
     result = {"cpu": _cpu_model(), "torch": torch.__version__, "isa": isa, "dtype": args.dtype,
-              "layers": args.layers, "size": args.size, "cores": cores}
+              "layers": args.layers, "size": args.size, "cores": cores, "interleaved": args.interleaved,
+              "load_before": os.getloadavg()[0], "nmcompile": os.path.dirname(nmcompile.__file__)}
     result["quiet"] = {**measure(args, 1), **measure(args, 2)}
     loop = busy_loop(cores[-1])
     try:
@@ -133,11 +144,13 @@ def main() -> int:
     finally:
         loop.kill()
         loop.wait()
+    result["load_after"] = os.getloadavg()[0]
     quiet = result["quiet"]
     result["kernel_1t_gbps"] = packed_bytes / quiet["kernel_1t"]["median_ms"] * 1e3 / 1e9
     result["dense_1t_gbps"] = dense_bytes / quiet["dense_1t"]["median_ms"] * 1e3 / 1e9
     print(f"{result['cpu']}, torch {result['torch']}, isa {isa}, {args.layers} x [{args.size}, {args.size}] "
-          f"{args.dtype}, 1 token, ms per token (median [q1, q3] of {args.rounds} rounds)")
+          f"{args.dtype}, 1 token, ms per token (median [q1, q3] of {args.rounds} rounds); 1-minute load average "
+          f"{result['load_before']:.2f} before, {result['load_after']:.2f} after; nmcompile from {result['nmcompile']}")
     for state in ("quiet", "busy"):
         cells = "  ".join(f"{name} {m['median_ms']:6.2f} [{m['q1_ms']:.2f}, {m['q3_ms']:.2f}]"
                           for name, m in result[state].items())

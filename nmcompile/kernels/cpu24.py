@@ -15,8 +15,9 @@ time a process asks for them, into PyTorch's extension cache (``TORCH_EXTENSIONS
 - ``nmsparse::cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us)``: the sparse
   product with one thread slowed down, and the row chunks each thread computed (tests of the split).
 
-Threads claim small chunks of row groups as they finish (``cpu/sparse24_split.h``), so a thread
-whose core is busy with another process takes fewer chunks instead of holding every call.
+Threads (the caller and tasks on PyTorch's inter-op pool, up to ``torch.get_num_threads()``) claim
+small chunks of row groups as they finish (``cpu/sparse24_split.h``), so a thread whose core is busy
+with another process takes fewer chunks instead of holding every call.
 
 :func:`status` says whether the kernel can run here and, if not, why (not x86-64, no compiler, a
 failed build with the compiler's message); the deploy dispatch then keeps the dense kernel and
@@ -43,7 +44,7 @@ SOURCES = Path(__file__).with_name("cpu")
 #: ISA names the op takes, fastest first, with the cpu24_isa() bits each needs
 ISAS = {"avx512_bf16": 4, "avx512": 2, "avx2": 1}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: at::parallel_for is OpenMP in the header: without -fopenmp the kernel would run on one thread
+#: at::parallel_for is OpenMP in the header: without -fopenmp cpu24_unpack would run on one thread
 FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
 

@@ -55,7 +55,7 @@ def test_a_slowed_thread_takes_few_chunks_and_the_result_is_unchanged(slow_threa
     expected = product(1, x, values, bits, 1024, isa)
     quiet, counts = probe(2, x, values, bits, 1024, isa, -1, 0)
     if len(counts) != 2:
-        pytest.skip(f"OpenMP gave {len(counts)} thread(s) for 2")
+        pytest.skip(f"the split ran on {len(counts)} thread(s) for 2 (a forked child, or inside a parallel region)")
     assert torch.equal(quiet, expected) and int(counts.sum()) == 64
     # the slowed thread sleeps 5 ms before each chunk it claims; each chunk is microseconds of work
     out, counts = probe(2, x, values, bits, 1024, isa, slow_thread, 5000)
@@ -79,6 +79,31 @@ def test_two_threads_equal_one_bitwise_for_any_chunking(out_f, tokens):
         x = torch.randn(tokens, 64).to(dtype)
         for isa in ("emulated512", cpu24.best_isa(dtype)):
             assert torch.equal(product(2, x, values, bits, out_f, isa), product(1, x, values, bits, out_f, isa))
+
+
+FORKED = """
+import os, sys, torch
+from nmcompile import masks, pack
+from nmcompile.kernels import cpu24
+w = masks.prune(torch.randn(1024, 256), 2, 4, 1)
+p = pack(w)
+values, bits = cpu24.cpu_layout(p.values, p.meta)
+x = torch.randn(1, 256)
+torch.set_num_threads(2)
+isa = cpu24.best_isa(torch.float32)
+out, counts = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0)
+pid = os.fork()
+if pid == 0:  # the inter-op pool's threads are not copied: the caller computes alone, exactly
+    child, child_counts = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0)
+    os._exit(0 if torch.equal(child, out) and child_counts.tolist() == [1] else 3)
+_, status = os.waitpid(pid, 0)
+print(len(counts), os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_after_the_helpers_ran_computes_alone():
+    done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["2", "0"], done.stdout + done.stderr[-2000:]
 
 
 def test_results_stay_exact_with_a_busy_loop_pinned_to_one_core():

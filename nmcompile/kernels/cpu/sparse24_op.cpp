@@ -174,8 +174,9 @@ at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at:
   return sparse_product(x, values, bits, bias, n, isa_name, nullptr);
 }
 
-// cpu24_linear's sparse product with OpenMP thread `slow_thread` sleeping slow_us before each chunk
-// it claims; returns the output and the chunks each thread computed (tests of the dynamic split)
+// cpu24_linear's sparse product with thread `slow_thread` (0 the caller, 1.. the helpers) sleeping
+// slow_us before each chunk it claims; returns the output and the chunks each thread computed
+// (tests of the dynamic split)
 std::tuple<at::Tensor, at::Tensor> cpu24_split_probe(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
                                                      int64_t n, c10::string_view isa_name, int64_t slow_thread,
                                                      int64_t slow_us) {

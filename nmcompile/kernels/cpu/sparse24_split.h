@@ -3,11 +3,17 @@
 // process takes fewer chunks instead of holding every call (a static half each ran 2 threads at
 // 0.4x of 1 thread with one of two cores busy).
 //
-// The end of a call waits for the last chunk, which a descheduled thread may hold. A thread with
-// nothing left to claim spins for about two of its own chunks' time, 20 to 200 us (both threads
-// finish within a chunk of each other on quiet cores), then sleeps on a futex until the last chunk
-// is done: its core falls idle, and Linux's idle balancing can move the straggler onto it, where
-// OpenMP's spinning barrier would hold that core.
+// The threads are the caller and helper tasks on PyTorch's inter-op pool (at::launch), not an
+// OpenMP team: an OpenMP region ends only when every thread of its team has arrived, so a thread
+// waiting for a busy core held every call even with nothing left to do, and a team's idle threads
+// spin for milliseconds after each region, keeping the other core busy (measured with a busy loop
+// pinned to one of two cores: 4 fp32 [4096, 4096] layers at one token took 48-58 ms with either
+// split on OpenMP, 24 ms on the caller plus a pool task, 33 ms on one thread; indicative, on a
+// shared machine). The call returns when every chunk is done: a helper that starts late finds no
+// chunk left and touches nothing else (the job it reads is shared, not the caller's). Waiting for a
+// chunk a helper holds, the caller spins for about one chunk's time (20 to 200 us), then sleeps on
+// a futex: its core falls idle, and Linux's idle balancing can move a helper that waits for the
+// busy core onto it.
 #pragma once
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -18,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -32,14 +39,14 @@ namespace {
 struct SplitProbe {
   int64_t slow_thread = -1;
   int64_t slow_us = 0;
-  std::vector<int64_t> chunks;  // per OpenMP thread number
+  std::vector<int64_t> chunks;  // per thread: 0 the caller, 1.. the helpers
 };
 
 // a thread takes at least this many groups (small layers stay on one thread)
 constexpr int64_t kMinGroupsPerThread = 8;
 // chunks per thread on an even split: an uneven end costs at most one chunk's time
 constexpr int64_t kChunksPerThread = 32;
-// how long a thread with nothing left spins before it sleeps (two of its chunks, within these)
+// how long the caller spins for the helpers' last chunks before it sleeps (one chunk's time, within these)
 constexpr std::chrono::microseconds kMinSpin{20}, kMaxSpin{200};
 
 inline void futex_wait(std::atomic<int>* word, int expected) {
@@ -50,10 +57,46 @@ inline void futex_wake_all(std::atomic<int>* word) {
   syscall(SYS_futex, reinterpret_cast<int*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
 }
 
-// row groups [0, groups) through rows(a, r0, r1) on at::get_num_threads() threads at most
+// one call's chunks, shared with the helper tasks (which may start after the call has returned:
+// then they find no chunk left and touch nothing else)
+struct SplitJob {
+  Nm24Rows rows;
+  Nm24Args a;
+  int64_t groups, per_chunk;
+  int chunks;
+  SplitProbe* probe;
+  std::atomic<int> next{0}, done{0}, sleepers{0};
+};
+
+// claims and computes chunks until none is left; `me`: 0 the caller, 1.. the helpers
+inline void nm24_work(SplitJob& job, int64_t me) {
+  for (int c = job.next.fetch_add(1); c < job.chunks; c = job.next.fetch_add(1)) {
+    if (job.probe && me == job.probe->slow_thread)
+      std::this_thread::sleep_for(std::chrono::microseconds(job.probe->slow_us));
+    const int64_t g0 = c * job.per_chunk, g1 = std::min(job.groups, g0 + job.per_chunk);
+    job.rows(job.a, g0 * NM24_GROUP, g1 * NM24_GROUP);
+    if (job.probe) ++job.probe->chunks[me];
+    if (job.done.fetch_add(1) + 1 == job.chunks && job.sleepers.load() > 0) futex_wake_all(&job.done);
+  }
+}
+
+// whether helper tasks can run in this process: not in a child forked after this library first
+// launched them (the inter-op pool's threads are not copied by fork, and its queue would only grow)
+inline std::atomic<pid_t>& first_launcher() {
+  static std::atomic<pid_t> pid{0};
+  return pid;
+}
+
+inline bool helpers_alive() {
+  const pid_t first = first_launcher().load(std::memory_order_relaxed);
+  return first == 0 || first == getpid();
+}
+
+// row groups [0, groups) through rows(a, r0, r1) on at::get_num_threads() threads at most: the
+// caller and helper tasks on PyTorch's inter-op pool, whose threads sleep when idle
 inline void nm24_split(Nm24Rows rows, const Nm24Args& a, int64_t groups, SplitProbe* probe = nullptr) {
   static_assert(sizeof(std::atomic<int>) == sizeof(int), "the futex word is the atomic's int");
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t threads = at::in_parallel_region() || !helpers_alive() ? 1 : at::get_num_threads();
   const int64_t workers = std::max<int64_t>(1, std::min(threads, groups / kMinGroupsPerThread));
   if (probe) probe->chunks.assign(workers, 0);
   if (workers == 1) {
@@ -61,29 +104,28 @@ inline void nm24_split(Nm24Rows rows, const Nm24Args& a, int64_t groups, SplitPr
     if (probe) probe->chunks[0] = groups > 0;
     return;
   }
-  const int64_t per_chunk = std::max<int64_t>(1, groups / (workers * kChunksPerThread));
-  const int chunks = static_cast<int>((groups + per_chunk - 1) / per_chunk);
-  std::atomic<int> next{0}, done{0}, sleepers{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    using Clock = std::chrono::steady_clock;
-    const int64_t me = at::get_thread_num();
-    Clock::duration longest{0};
-    for (int c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
-      if (probe && me == probe->slow_thread) std::this_thread::sleep_for(std::chrono::microseconds(probe->slow_us));
-      const Clock::time_point start = Clock::now();
-      const int64_t g0 = c * per_chunk, g1 = std::min(groups, g0 + per_chunk);
-      rows(a, g0 * NM24_GROUP, g1 * NM24_GROUP);
-      longest = std::max(longest, Clock::now() - start);
-      if (probe && me < static_cast<int64_t>(probe->chunks.size())) ++probe->chunks[me];
-      if (done.fetch_add(1) + 1 == chunks && sleepers.load() > 0) futex_wake_all(&done);
-    }
-    const Clock::duration spin = std::min<Clock::duration>(std::max<Clock::duration>(2 * longest, kMinSpin), kMaxSpin);
-    const Clock::time_point until = Clock::now() + spin;
-    while (done.load(std::memory_order_acquire) < chunks && Clock::now() < until) _mm_pause();
-    sleepers.fetch_add(1);
-    for (int seen = done.load(); seen < chunks; seen = done.load()) futex_wait(&done, seen);
-    sleepers.fetch_sub(1);
-  });
+  auto job = std::make_shared<SplitJob>();
+  job->rows = rows;
+  job->a = a;
+  job->groups = groups;
+  job->per_chunk = std::max<int64_t>(1, groups / (workers * kChunksPerThread));
+  job->chunks = static_cast<int>((groups + job->per_chunk - 1) / job->per_chunk);
+  job->probe = probe;
+  pid_t none = 0;
+  first_launcher().compare_exchange_strong(none, getpid(), std::memory_order_relaxed);
+  for (int64_t helper = 1; helper < workers; ++helper) at::launch([job, helper] { nm24_work(*job, helper); });
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  nm24_work(*job, 0);
+  // the chunks the helpers hold: spin for a share of this call's time, then sleep (this core falls
+  // idle, and Linux can move a helper waiting for a busy core onto it)
+  const Clock::duration spin = std::min<Clock::duration>(
+      std::max<Clock::duration>((Clock::now() - start) / (2 * kChunksPerThread), kMinSpin), kMaxSpin);
+  const Clock::time_point until = Clock::now() + spin;
+  while (job->done.load(std::memory_order_acquire) < job->chunks && Clock::now() < until) _mm_pause();
+  job->sleepers.fetch_add(1);
+  for (int seen = job->done.load(); seen < job->chunks; seen = job->done.load()) futex_wait(&job->done, seen);
+  job->sleepers.fetch_sub(1);
 }
 
 }  // namespace
