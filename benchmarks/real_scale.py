@@ -528,15 +528,16 @@ print(json.dumps({"rc": rc, "seconds": time.perf_counter() - start, "peak_rss_mb
 
 
 def prune_estimate_gb(path: str, sequential: bool, batch: int, seq_len: int) -> float:
-    """What ``nmcompile prune`` may hold: the fp32 model, the statistics (taken as twice the inputs'
-    Gram matrices, all at once or one block's), a batch of fp32 logits."""
-    meta = meta_model(path, torch.float32)
+    """What ``nmcompile prune`` may hold: the model in its stored dtype (bf16 here), the statistics
+    (taken as twice the inputs' Gram matrices, all at once or one block's), the loss's logits (at most
+    256 MB, ``prune.LOGIT_BYTES``) twice."""
+    meta = meta_model(path, torch.bfloat16)
     grams = {}
     for name, m in decoder_linears(meta):
         block = name.split(".layers.")[1].split(".")[0]
         grams[block] = grams.get(block, 0) + 2 * m.in_features ** 2 * 4
     stats = max(grams.values()) if sequential else sum(grams.values())
-    logits = batch * seq_len * meta.config.vocab_size * 4 * 2
+    logits = 2 * min(batch * seq_len * meta.config.vocab_size * 4, 1 << 28)
     return (weight_bytes(meta)["resident"] + stats + logits) / 1e9
 
 
@@ -559,8 +560,7 @@ def prune(path: str, samples: int, seq_len: int, max_gb: float) -> dict:
             dest = os.path.join(tmp, "pruned")
             cmd = [sys.executable, "-c", PRUNE_CHILD, path, "--recipe", "sparsegpt:2:4", "--calibration", calib,
                    "--held-out", held, "--seq-len", str(seq_len), "--samples", str(samples), "--out", dest, "--quiet"]
-            if sequential:
-                cmd.append("--sequential")
+            cmd.append("--sequential" if sequential else "--one-pass")
             start = time.perf_counter()
             done = subprocess.run(cmd, capture_output=True, text=True)
             wall = time.perf_counter() - start

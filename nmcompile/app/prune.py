@@ -58,6 +58,8 @@ class PruneSummary:
     skipped: dict[str, str] = field(default_factory=dict)
     calibration: str = ""  # one pass or sequential, and why
     dtype: str = ""  # of the written weights
+    out: str = ""  # the folder written
+    hf: bool = True  # a Hugging Face directory (else model.pt)
 
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -288,7 +290,8 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
         summary = PruneSummary(str(parsed), sorted(finalized), loss_before, loss_after, sum(len(w) for w in calib),
                                sum(len(w) for w in evals), time.perf_counter() - start,
                                [os.path.normpath(os.path.join(out, name)) for name in names], dict(finalized.fallbacks),
-                               dict(report.skipped), finalized.calibration, str(_dtype_of(model)).replace("torch.", ""))
+                               dict(report.skipped), finalized.calibration, str(_dtype_of(model)).replace("torch.", ""),
+                               out, kind == "hf")
         with open(os.path.join(tmp, RECORD), "w") as handle:
             json.dump({"source": os.path.abspath(model_path), **dataclasses.asdict(summary)}, handle, indent=1)
         _replace_folder(tmp, out)
@@ -313,4 +316,14 @@ def format_summary(s: PruneSummary) -> str:
     lines += [f"  ! {note}" for notes in s.fallbacks.values() for note in notes]
     lines += [f"  - {name}: left dense, {why}" for name, why in s.skipped.items()]
     lines += [f"  wrote {path}" for path in s.files]
+    if s.out and s.hf:
+        lines += [
+            "next:",
+            f"  nmcompile check {s.out}                      # every recorded weight is N:M along its dim",
+            f"  model = nmcompile.deploy.load_pretrained({s.out!r}, packed=True)   # 2:4 weights packed (CPU), no dense copy",
+            "  model.forward = torch.compile(model.forward, backend='nmsparse'); model.generate(ids, max_new_tokens=64)",
+        ]
+    elif s.out:
+        lines += ["next:", f"  model = torch.load({os.path.join(s.out, 'model.pt')!r}, weights_only=False)  # records travel "
+                  "with it; torch.compile(model, backend='nmsparse') deploys it"]
     return "\n".join(lines)

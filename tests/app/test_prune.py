@@ -43,6 +43,7 @@ def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch)
     text = capsys.readouterr()
     assert code == 0, text.err
     assert "8 weights pruned" in text.out and "held-out loss" in text.out
+    assert f"nmcompile check {out}" in text.out and f"load_pretrained({str(out)!r}, packed=True)" in text.out
     before, after = (float(v) for v in text.out.split("held-out loss")[1].split("dense ")[1].split(" (ppl")[0:1] +
                      text.out.split("-> pruned ")[1].split(" (ppl")[0:1])
     assert before > 0 and after > 0
