@@ -24,6 +24,8 @@ struct Nm24Args {
   float* out;             // [tokens, n]
   int64_t n;              // rows computed and stored (the layout holds n rounded up to NM24_GROUP)
   int64_t panel_bytes;    // activations per token panel (sparse24_op.cpp: a multiple of the L2 size)
+  int64_t prefetch_bytes; // how far ahead in a tile's values stream the weight is prefetched (the
+                          // bits stream, 16x smaller, a quarter of it; sparse24_op.cpp: by CPU vendor)
 };
 
 using Nm24Rows = void (*)(const Nm24Args&, int64_t, int64_t);

@@ -19,12 +19,6 @@
 
 #include "sparse24_args.h"
 
-// how far ahead the weight streams are prefetched, in bytes of a tile's values stream (the bits
-// stream, 16x smaller, a quarter of it). On the 2-core Zen 3 VM at one token, each doubling from
-// 2 KB to 32 KB gained 0-7%, no prefetch was 12-22% slower than 16 KB, and 64 KB gained nothing.
-#ifndef NM24_PREFETCH
-#define NM24_PREFETCH 32768
-#endif
 
 namespace {
 
@@ -47,11 +41,11 @@ inline void nm24_tile(const Nm24Args& a, int64_t row, int64_t t0) {
   const W* v = static_cast<const W*>(a.values) + (group * words * G + within) * 8;
   const uint16_t* b = a.bits + group * words * G + within;
   for (int64_t w = 0; w < words; w += Ops::WORDS, v += Ops::WORDS * G * 8, b += Ops::WORDS * G) {
-    // the streams are read once: ask for them NM24_PREFETCH bytes ahead (a row group's step is
+    // the streams are read once: ask for them a.prefetch_bytes ahead (a row group's step is
     // contiguous, so a few lines cover it)
     for (int line = 0; line < R * 8 * static_cast<int>(sizeof(W)); line += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(v) + NM24_PREFETCH * Ops::WORDS + line);
-    __builtin_prefetch(reinterpret_cast<const char*>(b) + NM24_PREFETCH / 4);
+      __builtin_prefetch(reinterpret_cast<const char*>(v) + a.prefetch_bytes * Ops::WORDS + line);
+    __builtin_prefetch(reinterpret_cast<const char*>(b) + a.prefetch_bytes / 4);
     typename Ops::XV xv[TT];
     for (int t = 0; t < TT; ++t) xv[t] = Ops::load_x(x + t * a.kp + w * 16);
     for (int r = 0; r < R; ++r) {
