@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     form.add_argument("--sequential", action="store_true", default=None, help="calibrate each block on the outputs of "
                       "the blocks already pruned (about one forward pass: each block runs alone on its cached inputs)")
     form.add_argument("--one-pass", dest="sequential", action="store_false", help="calibrate every weight in one pass "
-                      "(default: one pass unless its statistics would take more than half the memory available)")
+                      "(default: one pass unless its statistics, held twice, would take more than half the memory available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the loaded and written model (default auto: the checkpoint's own)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out that nmcompile prune did not "
