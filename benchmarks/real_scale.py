@@ -679,7 +679,8 @@ def render(result: dict) -> str:
     p = result.get("prune")
     if p:
         lines += [f"`nmcompile prune --recipe {p['recipe']}` on {p['samples']} x {p['seq_len']} random token ids "
-                  "(fp32; the wall time includes loading and writing the pruned directory):", "",
+                  "(the model in its stored dtype; the wall time includes loading, the held-out loss before and after, and "
+                  "writing the pruned directory):", "",
                   "| calibration | wall s | peak RSS MB |", "| --- | --- | --- |"]
         for x in p["runs"]:
             if "skipped" in x:
