@@ -12,12 +12,15 @@ time a process asks for them, into PyTorch's extension cache (``TORCH_EXTENSIONS
   for the call. fp32 accumulation, any token count, any input strides, the bias fused;
 - ``nmsparse::cpu24_unpack(values, bits)``: the dense weight;
 - ``nmsparse::cpu24_isa()``: what this CPU runs (:data:`ISAS`);
-- ``nmsparse::cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us)``: the sparse
-  product with one thread slowed down, and the row chunks each thread computed (tests of the split).
+- ``nmsparse::cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us, route)``: the
+  sparse product with one thread slowed down, the row chunks each thread computed and the route
+  taken (tests of the split).
 
-Threads (the caller and tasks on PyTorch's inter-op pool, up to ``torch.get_num_threads()``) claim
-small chunks of row groups as they finish (``cpu/sparse24_split.h``), so a thread whose core is busy
-with another process takes fewer chunks instead of holding every call.
+Threads (up to ``torch.get_num_threads()``) claim small chunks of row groups as they finish
+(``cpu/sparse24_split.h``), so a thread whose core is busy with another process takes fewer chunks
+instead of holding every call. They are PyTorch's OpenMP team, or, for a while after a call whose
+team kept the caller waiting (a busy core), the caller plus tasks on PyTorch's inter-op pool, which
+return without waiting for a thread that has not started.
 
 :func:`status` says whether the kernel can run here and, if not, why (not x86-64, no compiler, a
 failed build with the compiler's message); the deploy dispatch then keeps the dense kernel and

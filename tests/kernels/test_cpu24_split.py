@@ -3,7 +3,9 @@
 
 A row's result depends only on its own tile, so 1 and 2 threads give bitwise equal outputs. The
 slowed thread comes from ``nmsparse::cpu24_split_probe`` (the same product, one thread sleeping before
-each chunk it claims, and each thread's chunk count returned): a static half each would count equal.
+each chunk it claims, each thread's chunk count and the route returned): a static half each would
+count equal. Routes: 1 the OpenMP team, 2 the caller plus inter-op pool tasks (taken for a while after
+an OpenMP call kept its caller waiting).
 """
 
 import os
@@ -38,36 +40,52 @@ def product(threads, x, values, bits, out_f, isa):
         torch.set_num_threads(before)
 
 
-def probe(threads, x, values, bits, out_f, isa, slow_thread, slow_us):
+def probe(threads, x, values, bits, out_f, isa, slow_thread=-1, slow_us=0, route=-1):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return torch.ops.nmsparse.cpu24_split_probe(x, values, bits, out_f, isa, slow_thread, slow_us)
+        return torch.ops.nmsparse.cpu24_split_probe(x, values, bits, out_f, isa, slow_thread, slow_us, route)
     finally:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("route", [1, 2])
 @pytest.mark.parametrize("slow_thread", [0, 1])
-def test_a_slowed_thread_takes_few_chunks_and_the_result_is_unchanged(slow_thread):
+def test_a_slowed_thread_takes_few_chunks_and_the_result_is_unchanged(slow_thread, route):
     values, bits = layout(1024, 256)  # 128 groups of 8 rows: 64 chunks of 2 groups on 2 threads
     isa = cpu24.best_isa(torch.float32)
     x = torch.randn(1, 256)
     expected = product(1, x, values, bits, 1024, isa)
-    quiet, counts = probe(2, x, values, bits, 1024, isa, -1, 0)
-    if len(counts) != 2:
-        pytest.skip(f"the split ran on {len(counts)} thread(s) for 2 (a forked child, or inside a parallel region)")
+    quiet, counts, taken = probe(2, x, values, bits, 1024, isa, route=route)
+    if len(counts) != 2 or taken != route:
+        pytest.skip(f"the split ran on {len(counts)} thread(s) by route {taken} for 2 by route {route} (a forked "
+                    "child, or inside a parallel region)")
     assert torch.equal(quiet, expected) and int(counts.sum()) == 64
     # the slowed thread sleeps 5 ms before each chunk it claims; each chunk is microseconds of work
-    out, counts = probe(2, x, values, bits, 1024, isa, slow_thread, 5000)
+    out, counts, _ = probe(2, x, values, bits, 1024, isa, slow_thread, 5000, route)
     assert torch.equal(out, expected)
     fast = 1 - slow_thread
     assert int(counts.sum()) == 64 and counts[fast] >= 48, counts.tolist()  # a static split: 32 each
 
 
+def test_an_openmp_team_that_keeps_the_caller_waiting_sends_the_next_calls_to_the_pool():
+    values, bits = layout(2048, 2048)  # 64 chunks of about 25 us: the worker starts before they run out
+    isa = cpu24.best_isa(torch.float32)
+    x = torch.randn(1, 2048)
+    # the OpenMP worker sleeps 5 ms before each chunk it claims: the caller waits for it (over 0.5 ms)
+    _, counts, taken = probe(2, x, values, bits, 2048, isa, 1, 5000, route=1)
+    if len(counts) != 2:
+        pytest.skip(f"the split ran on {len(counts)} thread(s) for 2")
+    assert taken == 1
+    routes = [probe(2, x, values, bits, 2048, isa)[2] for _ in range(130)]
+    # 128 calls on the pool, then the team is tried again (and, on quiet cores, kept)
+    assert routes[:128] == [2] * 128 and routes[128] == 1, routes
+
+
 def test_a_layer_too_small_to_split_stays_on_one_thread():
     values, bits = layout(56, 64)  # 7 groups: under the 8 a thread takes at least
-    out, counts = probe(2, torch.randn(3, 64), values, bits, 56, cpu24.best_isa(torch.float32), -1, 0)
-    assert counts.tolist() == [1] and out.shape == (3, 56)
+    out, counts, taken = probe(2, torch.randn(3, 64), values, bits, 56, cpu24.best_isa(torch.float32))
+    assert counts.tolist() == [1] and taken == 0 and out.shape == (3, 56)
 
 
 @pytest.mark.parametrize("out_f", [128, 136, 520, 4800])
@@ -78,7 +96,9 @@ def test_two_threads_equal_one_bitwise_for_any_chunking(out_f, tokens):
         values, bits = layout(out_f, 64, dtype)
         x = torch.randn(tokens, 64).to(dtype)
         for isa in ("emulated512", cpu24.best_isa(dtype)):
-            assert torch.equal(product(2, x, values, bits, out_f, isa), product(1, x, values, bits, out_f, isa))
+            one = product(1, x, values, bits, out_f, isa)
+            for route in (1, 2):
+                assert torch.equal(probe(2, x, values, bits, out_f, isa, route=route)[0], one), (route, isa, dtype)
 
 
 FORKED = """
@@ -91,19 +111,19 @@ values, bits = cpu24.cpu_layout(p.values, p.meta)
 x = torch.randn(1, 256)
 torch.set_num_threads(2)
 isa = cpu24.best_isa(torch.float32)
-out, counts = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0)
+out, counts, route = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0, 2)
 pid = os.fork()
 if pid == 0:  # the inter-op pool's threads are not copied: the caller computes alone, exactly
-    child, child_counts = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0)
-    os._exit(0 if torch.equal(child, out) and child_counts.tolist() == [1] else 3)
+    child, child_counts, child_route = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0, 2)
+    os._exit(0 if torch.equal(child, out) and child_route == 0 and child_counts.tolist() == [1] else 3)
 _, status = os.waitpid(pid, 0)
-print(len(counts), os.waitstatus_to_exitcode(status))
+print(len(counts), route, os.waitstatus_to_exitcode(status))
 """
 
 
-def test_a_child_forked_after_the_helpers_ran_computes_alone():
-    done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.split() == ["2", "0"], done.stdout + done.stderr[-2000:]
+def test_a_child_forked_after_the_pool_ran_computes_alone():
+    done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["2", "2", "0"], done.stdout + done.stderr[-2000:]
 
 
 def test_results_stay_exact_with_a_busy_loop_pinned_to_one_core():
@@ -118,6 +138,8 @@ def test_results_stay_exact_with_a_busy_loop_pinned_to_one_core():
         for _ in range(30):
             for (x, (v, b), out_f), want in zip(inputs, expected):
                 assert torch.equal(product(2, x, v, b, out_f, isa), want)
+                for route in (1, 2):
+                    assert torch.equal(probe(2, x, v, b, out_f, isa, route=route)[0], want)
         assert loop.poll() is None, "the busy loop ended early"
     finally:
         loop.kill()
