@@ -153,11 +153,15 @@ def _vocab(model) -> int | None:
 
 
 def _loss(model, windows, batch_size: int, kind: str = "pt") -> float:
+    """Mean next-token loss over ``windows``, in the dtype calibration computes in (one module raised
+    at a time where the model's own dtype is slow on this CPU: :mod:`nmcompile.deploy.compute_dtype`)."""
+    from ..deploy.compute_dtype import compute_dtype, raised_per_module
+
     total, tokens = 0.0, 0
     model.eval()
     vocab = _vocab(model) or 1
     batch_size = max(1, min(batch_size, LOGIT_BYTES // (4 * vocab * len(windows[0]))))
-    with torch.no_grad():
+    with torch.no_grad(), raised_per_module(model, compute_dtype(model)[0]):
         for i in range(0, len(windows), batch_size):
             batch = torch.stack(windows[i:i + batch_size])
             logits = _logits(model, batch, kind)[:, :-1].float()

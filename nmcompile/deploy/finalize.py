@@ -101,7 +101,7 @@ def _not_nm_hint(recipe) -> str:
 
 def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str | None = None,
              calibration=None, sequential: bool | None = None, calibration_options: dict | None = None,
-             progress=None) -> FinalizeReport:
+             progress=None, compute_dtype: torch.dtype | None = None) -> FinalizeReport:
     """Bake every annotated weight's effective weight into its parameter and drop training state.
 
     Idempotent: calling it on a finalized model changes nothing and returns the same report.
@@ -134,6 +134,10 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             calibration batches (default inner compiler: ``aot_eager`` for one pass, Inductor for each
             block of a sequential solve, which updates the statistics in place).
         progress: ``progress(done, total, note)``, called after each block of a sequential solve.
+        compute_dtype: the dtype calibration batches run in (each block of a sequential solve, else the
+            whole model, raised while it runs and written back in its own dtype after). ``None``: float32
+            for a bf16/fp16 model on a CPU without native arithmetic for it (AVX2), else the model's
+            dtype (:mod:`nmcompile.deploy.compute_dtype`); the choice is in ``report.calibration``.
 
     One-shot weights are solved first (:mod:`nmcompile.deploy.oneshot`); what was done instead of the
     normal solve for a weight (no token reached it: magnitude; a singular Hessian) is warned about
@@ -146,7 +150,7 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"finalize takes an nn.Module, got {type(model).__name__}")
     report = FinalizeReport()
-    solved = _solve_one_shot(model, calibration, sequential, report, calibration_options, progress)
+    solved = _solve_one_shot(model, calibration, sequential, report, calibration_options, progress, compute_dtype)
     loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
     broken: dict[str, str] = {}
@@ -216,10 +220,11 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
 
 
 def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, report: FinalizeReport,
-                    options: dict | None, progress) -> dict:
+                    options: dict | None, progress, asked_dtype: torch.dtype | None) -> dict:
     """``{name: Solved}`` of the one-shot weights (see :mod:`nmcompile.deploy.oneshot`)."""
     from . import oneshot
     from . import sequential as cached
+    from .compute_dtype import compute_dtype, raised, stored_dtype, to_dtype
 
     batches = None
     if calibration is not None and not callable(calibration):
@@ -244,21 +249,24 @@ def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, repo
                 f"{type(model).__name__} is declared with one (a recipe given through compile options, NMSPARSE_RECIPE "
                 "or a region is declared at the first compiled forward: run one batch first, or use nmcompile.annotate)")
         return {}
-    sequential, report.calibration = _calibration_form(model, sequential, calibration is not None)
+    compute, why = compute_dtype(model, asked_dtype) if batches is not None else (stored_dtype(model), "")
+    sequential, report.calibration = _calibration_form(model, sequential, calibration is not None, compute)
+    if compute != stored_dtype(model):
+        report.calibration += f"; {why}"
 
     def run_batches():
         # aot_eager by default: no Inductor compile of the whole model for a one-time run
         compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", **(options or {})})
-        with torch.no_grad():
+        with torch.no_grad(), raised(model, compute):
             for batch in batches:
-                cached.run_batch(compiled, batch)
+                cached.run_batch(compiled, to_dtype(batch, compute))
 
     run = calibration if batches is None else run_batches
     if sequential:
         solved = None
         if batches is not None:
             try:
-                solved = cached.solve_cached(model, batches, options=options, progress=progress)
+                solved = cached.solve_cached(model, batches, options=options, progress=progress, compute=compute)
                 report.calibration += "; each block ran alone on its cached inputs"
             except cached.Unchained as why:
                 report.calibration += f"; the model ran again before each block ({why})"
@@ -277,9 +285,11 @@ def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, repo
     return solved
 
 
-def _calibration_form(model: nn.Module, sequential: bool | None, calibrating: bool) -> tuple[bool, str]:
+def _calibration_form(model: nn.Module, sequential: bool | None, calibrating: bool,
+                      compute: torch.dtype) -> tuple[bool, str]:
     """``(sequential, why)``: as asked, or (``None``) sequential when one pass's statistics, held twice
-    (the one-pass graph copies them), would take more than half the memory available."""
+    (the one-pass graph copies them), plus the model raised to its ``compute`` dtype where that is
+    wider than its own, would take more than half the memory available."""
     from . import oneshot
     from .sequential import available_bytes
 
@@ -291,8 +301,11 @@ def _calibration_form(model: nn.Module, sequential: bool | None, calibrating: bo
                 for t in state_of(places[0][1], places[0][2], ann)[:1])
     # one pass holds every statistic at once, and its aot_eager graph a copy of each mutated buffer:
     # Llama-3.2-1B shapes, 5.9 GB of statistics, peaked at 17.0 GB with the 2.5 GB model
-    need, have = 2 * stats, available_bytes()
-    gb = f"{stats / 1e9:.2f} GB of statistics, held twice; {have / 1e9:.1f} GB available"
+    raised = sum(p.numel() * compute.itemsize for p in model.parameters()
+                 if p.is_floating_point() and p.dtype != compute)
+    need, have = 2 * stats + raised, available_bytes()
+    gb = (f"{stats / 1e9:.2f} GB of statistics, held twice" + (f", and the model in {str(compute)[6:]} "
+          f"({raised / 1e9:.2f} GB)" if raised else "") + f"; {have / 1e9:.1f} GB available")
     if need > have / 2:
         return True, f"sequential: one pass would hold every weight's statistics at once ({gb})"
     return False, f"one pass: every weight's statistics fit ({gb})"

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..state.records import state_of
 from . import oneshot
+from .compute_dtype import raised, stored_dtype, to_dtype
 
 __all__ = ["Unchained", "chain", "solve_cached", "run_batch", "available_bytes", "SPILL_FRACTION"]
 
@@ -187,13 +188,14 @@ class _Activations:
             self.folder.cleanup()
 
 
-def _capture(model: nn.Module, first: str, batches, limit: int):
-    """``(inputs, rests)``: the first block's input and other arguments for each batch."""
+def _capture(model: nn.Module, first: str, batches, limit: int, dtype: torch.dtype):
+    """``(inputs, rests)``: the first block's input and other arguments for each batch, their
+    floating-point tensors in the blocks' compute ``dtype``."""
     inputs, rests = _Activations(limit), []
     module = model.get_submodule(first)
 
     def hook(module, args, kwargs):
-        hidden, rest, rest_kw = _split(args, kwargs)
+        hidden, rest, rest_kw = to_dtype(_split(args, kwargs), dtype)
         inputs.append(hidden)
         rests.append((rest, rest_kw))
         raise _Caught
@@ -212,11 +214,14 @@ def _capture(model: nn.Module, first: str, batches, limit: int):
     return inputs, rests
 
 
-def solve_cached(model: nn.Module, batches, *, options: dict | None = None, progress=None) -> dict:
+def solve_cached(model: nn.Module, batches, *, options: dict | None = None, progress=None,
+                 compute: torch.dtype | None = None) -> dict:
     """Solve every one-shot weight block by block on cached inputs (see the module doc).
 
     ``batches``: the calibration batches (a list). ``options``: the ``nmsparse`` backend options of
-    each block's graph (default: Inductor, which updates the statistics in place). ``progress``:
+    each block's graph (default: Inductor, which updates the statistics in place). ``compute``: the
+    dtype each block runs in while it is calibrated (:mod:`.compute_dtype`; default: the model's), its
+    weights written back in their own dtype after. ``progress``:
     ``progress(done, total, note)`` once the inputs are caught and after each block. Returns ``{name: Solved}``; raises
     :class:`Unchained` (nothing changed) where the blocks do not form a chain."""
     items = {name: (places, ann) for name, places, ann in oneshot.calibrated(model)}
@@ -227,7 +232,8 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
         raise Unchained(f"{', '.join(loose)} is not inside a numbered block (such as layers.3)")
     of_prefix = dict(zip(prefixes, groups))
     order = chain(model, prefixes, batches[0])
-    inputs, rests = _capture(model, order[0], batches, int(SPILL_FRACTION * available_bytes()))
+    compute = compute or stored_dtype(model)
+    inputs, rests = _capture(model, order[0], batches, int(SPILL_FRACTION * available_bytes()), compute)
     options = {"inner": "inductor", **(options or {})}
     solved: dict = {}
     written: list[str] = []
@@ -239,34 +245,39 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
         for k, prefix in enumerate(order):
             block, names = model.get_submodule(prefix), of_prefix[prefix]
             counts = [state_of(items[n][0][0][1], items[n][0][0][2], items[n][1])[1] for n in names]
-            compiled = torch.compile(block, backend="nmsparse", options=options)
-            with torch.no_grad():
-                for i in range(len(inputs)):
-                    compiled(inputs[i], *rests[i][0], **rests[i][1])
-            oneshot._sum_over_ranks(model, names)
-            if all(int(c.sum()) == 0 for c in counts):
-                raise oneshot.NoCalibration(f"nmcompile.finalize: no calibration token reached the weights of {prefix} "
-                                            "when it ran on its cached inputs")
-            with torch.no_grad():
-                for name in names:
-                    places, ann = items[name]
-                    result = oneshot.solve_one(name, places[0][1], places[0][2], ann)
-                    for _, module, pname in places:
-                        module._parameters[pname].copy_(result.weight)
-                    solved[name] = oneshot.Solved(places[0][1]._parameters[places[0][2]].detach(), result.notes)
-            written.append(prefix)
-            oneshot.reset(model, names)
-            if k + 1 < len(order):
-                outputs = _Activations(inputs.limit)
+            notes: dict[str, list[str]] = {}
+            with raised(block, compute):
+                compiled = torch.compile(block, backend="nmsparse", options=options)
                 with torch.no_grad():
-                    for c in counts:
-                        c.fill_(-1)  # paused: the pruned block's outputs only
                     for i in range(len(inputs)):
-                        outputs.append(_hidden_out(compiled(inputs[i], *rests[i][0], **rests[i][1])))
-                    for c in counts:
-                        c.zero_()
-                inputs.close()
-                inputs = outputs
+                        compiled(inputs[i], *rests[i][0], **rests[i][1])
+                oneshot._sum_over_ranks(model, names)
+                if all(int(c.sum()) == 0 for c in counts):
+                    raise oneshot.NoCalibration(f"nmcompile.finalize: no calibration token reached the weights of "
+                                                f"{prefix} when it ran on its cached inputs")
+                with torch.no_grad():
+                    for name in names:
+                        places, ann = items[name]
+                        result = oneshot.solve_one(name, places[0][1], places[0][2], ann)
+                        for _, module, pname in places:
+                            module._parameters[pname].copy_(result.weight)
+                        notes[name] = result.notes
+                written.append(prefix)
+                oneshot.reset(model, names)
+                if k + 1 < len(order):
+                    outputs = _Activations(inputs.limit)
+                    with torch.no_grad():
+                        for c in counts:
+                            c.fill_(-1)  # paused: the pruned block's outputs only
+                        for i in range(len(inputs)):
+                            outputs.append(_hidden_out(compiled(inputs[i], *rests[i][0], **rests[i][1])))
+                        for c in counts:
+                            c.zero_()
+                    inputs.close()
+                    inputs = outputs
+            for name in names:  # the parameter back in its own dtype holds the solved weight
+                places = items[name][0]
+                solved[name] = oneshot.Solved(places[0][1]._parameters[places[0][2]].detach(), notes[name])
             if progress is not None:
                 progress(k + 1, len(order), f"{prefix} in {time.perf_counter() - start:.0f}s")
     except BaseException as err:
