@@ -78,6 +78,7 @@ BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 
 import cpu_deploy  # noqa: E402  (machine, bandwidth, interleaved)
+import cpu_shared_cores  # noqa: E402  (busy_loop)
 import make_models  # noqa: E402
 
 DTYPES = cpu_deploy.DTYPES
@@ -541,24 +542,25 @@ def prune_estimate_gb(path: str, sequential: bool, batch: int, seq_len: int) -> 
     return (weight_bytes(meta)["resident"] + stats + logits) / 1e9
 
 
-def prune(path: str, samples: int, seq_len: int, max_gb: float) -> dict:
+def prune(path: str, samples: int, seq_len: int, max_gb: float, recipe: str = "sparsegpt:2:4",
+          modes=("one pass", "sequential")) -> dict:
     tmp = tempfile.mkdtemp(prefix="real_scale_prune_")
-    out = {"recipe": "sparsegpt:2:4", "samples": samples, "seq_len": seq_len, "runs": []}
+    out = {"recipe": recipe, "samples": samples, "seq_len": seq_len, "runs": []}
     try:
         vocab = tokenizer_size(path)
         g = torch.Generator().manual_seed(1)
         calib, held = os.path.join(tmp, "calibration.pt"), os.path.join(tmp, "held_out.pt")
         torch.save(torch.randint(2, vocab, (samples * seq_len,), generator=g), calib)
         torch.save(torch.randint(2, vocab, (2 * seq_len,), generator=g), held)
-        for sequential in (False, True):
-            name = "sequential" if sequential else "one pass"
+        for name in modes:
+            sequential = name == "sequential"
             estimate = prune_estimate_gb(path, sequential, 8, seq_len)
             if estimate > max_gb:
                 out["runs"].append({"mode": name, "skipped": f"estimated {estimate:.1f} GB, more than --max-gb {max_gb:.1f}"})
                 print(f"  prune {name}: skipped, estimated {estimate:.1f} GB", flush=True)
                 continue
             dest = os.path.join(tmp, "pruned")
-            cmd = [sys.executable, "-c", PRUNE_CHILD, path, "--recipe", "sparsegpt:2:4", "--calibration", calib,
+            cmd = [sys.executable, "-c", PRUNE_CHILD, path, "--recipe", recipe, "--calibration", calib,
                    "--held-out", held, "--seq-len", str(seq_len), "--samples", str(samples), "--out", dest, "--quiet"]
             cmd.append("--sequential" if sequential else "--one-pass")
             start = time.perf_counter()
@@ -606,6 +608,26 @@ def targets(result: dict) -> list[str]:
             gap = abs(r["resident_ratio"] - r["resident_ratio_expected"])
             lines.append(f"| {d}: resident parameters within 0.02 of {r['resident_ratio_expected']:.3f}x | "
                          f"{r['resident_ratio']:.3f}x | {ok(gap <= 0.02)} |")
+    quiet = {r["dtype"]: r for r in result.get("decode", [])}
+    for r in result.get("decode busy", []):
+        d, q = r["dtype"], quiet.get(r["dtype"])
+        if r.get("speedup") is not None and q is not None and q.get("speedup"):
+            keep = r["speedup"] / q["speedup"]
+            lines.append(f"| {d}, busy loop on one core: 2:4 / dense decode >= 80% of the quiet ratio | {r['speedup']:.2f}x "
+                         f"against {q['speedup']:.2f}x quiet, {keep:.0%} | {ok(keep >= 0.8)} |")
+        sparse = {v["threads"]: v["decode_tok_s"] for v in r["variants"].values() if v["kind"] == "2:4"}
+        if len(sparse) > 1:
+            one, most = sparse[min(sparse)], sparse[max(sparse)]
+            lines.append(f"| {d}, busy loop on one core: 2:4 at {max(sparse)} threads no slower than at {min(sparse)} | "
+                         f"{most:.2f} against {one:.2f} tok/s | {ok(most >= one)} |")
+    best_any = {kind: max(((v["decode_tok_s"], f"{r['dtype']} {n}") for r in result.get("decode", [])
+                           for n, v in r["variants"].items() if v["kind"] == kind), default=None)
+                for kind in ("dense", "2:4")}
+    bf16 = quiet.get("bf16")
+    if bf16 and bf16.get("best", {}).get("2:4") and best_any["dense"]:
+        v = bf16["variants"][bf16["best"]["2:4"]]["decode_tok_s"]
+        lines.append(f"| headline: bf16 2:4 against the best dense of any dtype | {v / best_any['dense'][0]:.2f}x "
+                     f"({v:.2f} tok/s against {best_any['dense'][1]}, {best_any['dense'][0]:.2f} tok/s) | reported |")
     runs = result.get("firstcall", {}).get("runs", [])
     for d in dict.fromkeys(x["dtype"] for x in runs):
         by = {(x["kind"], x["process"]): x["first_call_s"] for x in runs if x["dtype"] == d}
@@ -628,8 +650,9 @@ def render(result: dict) -> str:
              f"{result['model']['layers']} layers, {'tied' if result['model']['tied'] else 'untied'} output head), "
              f"random bf16 weights written by `benchmarks/make_models.py`. Machine: {m['cpu']}, {m['threads']} threads, "
              f"ISA {', '.join(m['isa'])}, torch {m['torch']}, nmcompile {m['nmcompile']}.", ""]
-    for r in result.get("decode", []):
-        lines += [f"Decode, {r['dtype']}: greedy `generate` of {r['new_tokens']} tokens after a {r['prompt']}-token "
+    for r in result.get("decode", []) + result.get("decode busy", []):
+        busy = f" With a busy loop {r['busy loop']}." if r.get("busy loop") else ""
+        lines += [f"Decode, {r['dtype']}:{busy} greedy `generate` of {r['new_tokens']} tokens after a {r['prompt']}-token "
                   f"prompt, batch 1; dense and 2:4 timed {r['timing']}. Tokens/s of the decode steps (prefill, "
                   f"the prompt and first token, apart; end to end = new tokens / whole call):", "",
                   "| variant | decode tok/s | ms per token | end-to-end tok/s | prefill s | first call s | timed |",
@@ -711,10 +734,15 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="interleaved rounds after the first calls (default 3)")
     parser.add_argument("--slow", type=float, default=3.0)
     parser.add_argument("--sparse-modes", nargs="+", choices=("eager", "compiled"), default=["compiled"])
+    parser.add_argument("--dense-modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
     parser.add_argument("--max-gb", type=float, default=None, help="memory this run may use (default: 90%% of "
                         "what is available at start)")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--calib-len", type=int, default=512)
+    parser.add_argument("--prune-recipe", default="sparsegpt:2:4")
+    parser.add_argument("--prune-modes", nargs="+", choices=("one pass", "sequential"), default=["one pass", "sequential"])
+    parser.add_argument("--busy", action="store_true", help="decode with a busy loop pinned to the last core (another "
+                        "user's job), for the shared-core figures")
     parser.add_argument("--" + FIRSTCALL_CHILD, nargs=2, metavar=("KIND", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.render:
@@ -772,14 +800,23 @@ def main(argv=None) -> int:
 
     try:
         if "decode" in args.only:
-            result["decode"] = decode(path, args.dtypes, threads, args.new_tokens, args.prompt, args.runs, args.slow,
-                                      max_gb, sparse_modes=tuple(args.sparse_modes))
+            busy = cpu_shared_cores.busy_loop(os.cpu_count() - 1) if args.busy else None
+            try:
+                rows = decode(path, args.dtypes, threads, args.new_tokens, args.prompt, args.runs, args.slow,
+                              max_gb, sparse_modes=tuple(args.sparse_modes), dense_modes=tuple(args.dense_modes))
+            finally:
+                if busy is not None:
+                    busy.kill()
+            for row in rows:
+                row["busy loop"] = f"pinned to core {os.cpu_count() - 1}" if busy is not None else None
+            result["decode busy" if busy is not None else "decode"] = rows
             save()
         if "firstcall" in args.only:
             result["firstcall"] = firstcall(path, args.dtypes, args.new_tokens, args.prompt)
             save()
         if "prune" in args.only:
-            result["prune"] = prune(path, args.calib_samples, args.calib_len, max_gb)
+            result["prune"] = prune(path, args.calib_samples, args.calib_len, max_gb, args.prune_recipe,
+                                    args.prune_modes)
             save()
     finally:
         if tmp_model:

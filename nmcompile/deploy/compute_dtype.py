@@ -23,6 +23,8 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from .oneshot import _trim_heap as trim_heap
+
 __all__ = ["compute_dtype", "raised", "raised_per_module", "stored_dtype", "to_dtype"]
 
 #: CPU flags that make each low-precision matmul native (Linux ``/proc/cpuinfo``)
@@ -66,17 +68,21 @@ def _raise(module: nn.Module, dtype: torch.dtype, recurse: bool) -> list:
     moved = []
     for p in module.parameters(recurse=recurse):
         if p.is_floating_point() and p.dtype != dtype and p.dtype in NATIVE_FLAGS and not p.is_meta:
-            moved.append((p, p.data))
+            stored = p.data
             p.data = p.data.to(dtype)
+            moved.append((p, stored, p._version))
     return moved
 
 
-def _lower(moved: list) -> None:
+def _lower(moved: list, written_only: bool = False) -> None:
     """Write each raised parameter back into its own storage (a mapped checkpoint's pages are written
-    in place, so no second copy of the weight becomes resident) and give it that storage again."""
+    in place, so no second copy of the weight becomes resident) and give it that storage again.
+    ``written_only``: skip a parameter whose version counter says it was not written through itself
+    (a forward that only reads it)."""
     with torch.no_grad():
-        for p, stored in moved:
-            stored.copy_(p.data)
+        for p, stored, version in moved:
+            if not written_only or p._version != version:
+                stored.copy_(p.data)
             p.data = stored
 
 
@@ -104,9 +110,10 @@ def to_dtype(value, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def raised_per_module(model: nn.Module, dtype: torch.dtype):
-    """For an eager forward of ``model``: each module that holds parameters runs with them (and its
-    floating inputs) in ``dtype``, and writes them back when it returns; one module's parameters are
-    raised at a time. A no-op where the model is already ``dtype``."""
+    """For an eager forward of ``model``: each module that holds parameters (but embeddings, which
+    only gather rows) runs with them and its floating inputs in ``dtype``; one module's parameters are
+    raised at a time, and dropped when it returns (a forward only reads them; one written through the
+    parameter is written back). A no-op where the model is already ``dtype``."""
     if stored_dtype(model) == dtype:
         yield model
         return
@@ -117,12 +124,12 @@ def raised_per_module(model: nn.Module, dtype: torch.dtype):
         pending[id(module)] = pending.get(id(module), []) + [_raise(module, dtype, recurse=False)]
         return to_dtype(args, dtype), to_dtype(kwargs, dtype)
 
-    def post(module, args, kwargs, output):
-        _lower(pending[id(module)].pop())
+    def post(module, args, kwargs, output):  # a forward reads its weights: nothing to write back
+        _lower(pending[id(module)].pop(), written_only=True)
 
     try:
-        for module in model.modules():
-            if any(True for _ in module.parameters(recurse=False)):
+        for module in model.modules():  # an embedding only gathers rows: it stays as it is
+            if any(True for _ in module.parameters(recurse=False)) and not isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
         yield model
@@ -131,4 +138,5 @@ def raised_per_module(model: nn.Module, dtype: torch.dtype):
             handle.remove()
         for stack in pending.values():  # a forward that failed part-way: nothing stays raised
             while stack:
-                _lower(stack.pop())
+                _lower(stack.pop(), written_only=True)
+        trim_heap()  # the raised copies were freed below malloc's mmap threshold: hand the pages back
