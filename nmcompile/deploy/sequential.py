@@ -278,6 +278,8 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
             for name in names:  # the parameter back in its own dtype holds the solved weight
                 places = items[name][0]
                 solved[name] = oneshot.Solved(places[0][1]._parameters[places[0][2]].detach(), notes[name])
+            del compiled
+            oneshot._trim_heap()  # the block's temporaries (its solve, its raised copy) leave no resident pages
             if progress is not None:
                 progress(k + 1, len(order), f"{prefix} in {time.perf_counter() - start:.0f}s")
     except BaseException as err:
