@@ -1,4 +1,5 @@
-"""The package's face and floor plan: lean import, the README's API table, stages that import only downward."""
+"""The package's face and floor plan: lean import, the reference's API and recipe tables, the README's commands and
+links, stages that import only downward."""
 
 import ast
 import re
@@ -12,6 +13,7 @@ import nmcompile
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nmcompile"
+REFERENCE = ROOT / "docs" / "reference.md"  # the API and recipe tables the README links to
 
 # The stages in the order the data takes; a module may import its own stage and those before it.
 STAGES = ["version", "pattern", "state", "masks", "ops", "training", "permute", "kernels", "recipes", "declare",
@@ -27,9 +29,9 @@ def test_import_is_lean():
     assert result.stdout.strip() == "[]", result.stderr[-2000:]
 
 
-def _readme_api_names() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("## API"):text.index("## Layout")]
+def _reference_api_names() -> list[str]:
+    text = REFERENCE.read_text()
+    table = text[text.index("\n## API\n"):text.index("\n## Layout\n")]
     names = []
     for line in table.splitlines():
         if line.startswith("| `"):
@@ -37,8 +39,8 @@ def _readme_api_names() -> list[str]:
     return names
 
 
-def test_readme_api_table_is_all():
-    names = _readme_api_names()
+def test_reference_api_table_is_all():
+    names = _reference_api_names()
     assert len(names) == len(set(names)), names
     assert sorted(names) == sorted(nmcompile.__all__)
     for name in nmcompile.__all__:
@@ -99,18 +101,18 @@ def test_every_stage_imports_only_earlier_stages():
     assert not wrong, "a stage imports a later one:\n" + "\n".join(wrong)
 
 
-def _readme_recipe_defaults() -> dict[str, dict[str, str | None]]:
-    """``{recipe: {key: default as written, or None when only named, "required"}}`` from the README's
+def _reference_recipe_defaults() -> dict[str, dict[str, str | None]]:
+    """``{recipe: {key: default as written, or None when only named, "required"}}`` from the reference's
     recipe table (its first column: ``name`` (``key``=default, ``key`` required, ``key``, ...))."""
     table = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in REFERENCE.read_text().splitlines():
         found = re.match(r"\| `(\w+)`(?: \((.*?)\))? \|", line)
         if not found or found.group(1) not in nmcompile.recipes.RECIPES:
             continue
         keys = {}
         for part in filter(None, (found.group(2) or "").split(", ")):
             item = re.match(r"`(\w+)`(=(.+)| required)?$", part)
-            assert item, f"README recipe table, {found.group(1)}: cannot read {part!r}"
+            assert item, f"reference recipe table, {found.group(1)}: cannot read {part!r}"
             keys[item.group(1)] = "required" if item.group(2) == " required" else item.group(3)
         table[found.group(1)] = keys
     return table
@@ -125,19 +127,42 @@ def _as_default(text: str, default):
     return first
 
 
-def test_readme_recipe_table_gives_the_dataclasses_keys_and_defaults():
+def test_reference_recipe_table_gives_the_dataclasses_keys_and_defaults():
     import dataclasses
 
-    table = _readme_recipe_defaults()
+    table = _reference_recipe_defaults()
     assert sorted(table) == sorted(nmcompile.recipes.RECIPES)
     for name, keys in table.items():
         cls = nmcompile.recipes.RECIPES[name]
         fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("n", "m", "wgrad")}
-        assert sorted(keys) == sorted(fields), f"README recipe table, {name}: keys {sorted(keys)}, dataclass {sorted(fields)}"
+        assert sorted(keys) == sorted(fields), f"reference recipe table, {name}: keys {sorted(keys)}, dataclass {sorted(fields)}"
         for key, text in keys.items():
             if text == "required":
                 with pytest.raises(ValueError, match=key):
                     cls()
             elif text is not None:
                 default = fields[key].default
-                assert _as_default(text, default) == default, f"README recipe table: {name} {key}={text}, default {default!r}"
+                assert _as_default(text, default) == default, f"reference recipe table: {name} {key}={text}, default {default!r}"
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
+
+
+def test_readme_test_command_is_the_ci_line_and_the_main_job_shares_its_setup():
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    main_job, tests = _bash_blocks((ROOT / "README.md").read_text())[:2]
+    assert tests == ci[-1]  # the README's second command is what CI runs
+    setup = tests.rsplit(" && ", 1)[0]
+    assert main_job == f"{setup} && .venv/bin/nmcompile demo"
+    assert tests in _bash_blocks((ROOT / "docs" / "contributing.md").read_text())
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/reference.md", "docs/contributing.md", "docs/benchmarks.md",
+                                  "benchmarks/README.md"])
+def test_relative_links_lead_to_files_that_exist(page):
+    path = ROOT / page
+    links = re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", path.read_text())
+    assert links or page == "benchmarks/README.md"
+    missing = [link for link in links if not (path.parent / link).exists()]
+    assert not missing, f"{page} links to {missing}"
