@@ -166,3 +166,52 @@ def test_relative_links_lead_to_files_that_exist(page):
     assert links or page == "benchmarks/README.md"
     missing = [link for link in links if not (path.parent / link).exists()]
     assert not missing, f"{page} links to {missing}"
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def _loaded_with(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """The nmcompile modules importing ``module`` runs: its imports, theirs, and every enclosing package's
+    ``__init__`` (the top level's imports nothing but the version until a name is used)."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in graph:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(2, len(parts))]  # enclosing packages below nmcompile
+        todo += graph[name]
+    return seen
+
+
+def test_every_module_that_calls_an_nmsparse_op_imports_the_module_that_defines_it():
+    """``import nmcompile`` is lazy, so no module may count on it having registered the ``nmsparse::`` ops."""
+    files = list(PACKAGE.rglob("*.py")) + list((ROOT / "tests").rglob("*.py"))
+    texts = {_module_of(path) if PACKAGE in path.parents else f"tests:{path.relative_to(ROOT)}": (path, path.read_text())
+             for path in files}
+    graph = {module: set(_imports(path, module)) for module, (path, _) in texts.items()}
+    defined = {op: module for module, (_, text) in texts.items()
+               for op in re.findall(r'custom_op\(\s*"nmsparse::(\w+)"', text)}
+    assert {"prune", "linear", "sparse_linear", "sparse_train_linear"} <= set(defined)  # the scan found the ops
+    missing = []
+    for module, (_, text) in sorted(texts.items()):
+        used = {op for op in re.findall(r"torch\.ops\.nmsparse\.(\w+)", text) if op in defined}
+        loaded = _loaded_with(module, graph)
+        missing += [f"{module} calls nmsparse::{op} without importing {defined[op]}"
+                    for op in sorted(used) if defined[op] not in loaded]
+    assert not missing, "\n".join(missing)
+
+
+def test_the_command_line_answers_help_without_importing_torch():
+    code = ("import sys; from nmcompile.app.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit as done:\n    assert done.code == 0\n"
+            "for command in ('check', 'recipes', 'demo', 'report', 'prune', 'tune'):\n"
+            "    try:\n        main([command, '--help'])\n    except SystemExit as done:\n        assert done.code == 0\n"
+            "print(sorted(m for m in ('torch', 'nmcompile.ops', 'numpy') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-2000:]

@@ -16,13 +16,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import warnings
 
-
-from .. import recipes
-from ..deploy.inspection import check
+# torch, Dynamo and the package's stages are imported by each command when it runs: ``--help`` needs none
 
 
 #: ``nmcompile check`` exit status: every checked tensor complies / some violate N:M / the input
@@ -31,6 +28,8 @@ EXIT_OK, EXIT_VIOLATES, EXIT_UNREADABLE = 0, 1, 2
 
 
 def _check(args) -> int:
+    from ..deploy.inspection import check
+
     try:
         with warnings.catch_warnings():  # the unreadable-input message below says what matters, in one line
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -49,9 +48,9 @@ def _check(args) -> int:
 
 
 def _recipes(args) -> int:
-    for name, cls in recipes.RECIPES.items():
-        keys = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls) if f.name not in ("n", "m"))
-        print(f"{name}:N:M  ({keys})")
+    from .recipe_keys import recipe_lines
+
+    print("\n".join(recipe_lines()))
     return 0
 
 
@@ -142,7 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=None, help="grouping dim (default: recorded per weight, else 1): 1 for "
                    "Linear/Conv and ONNX Gemm weights, 0 for GPT-2 Conv1D")
     p.add_argument("--only", action="append", metavar="GLOB", help="check only the tensors whose names match this "
-                   "glob (fnmatch; repeatable), e.g. --only 'blocks.*.weight' for the weights declared N:M")
+                   "glob (fnmatch; repeatable), e.g. --only 'transformer.h.*' (GPT-2) or --only 'model.layers.*' "
+                   "(Llama); a failed check prints the --dim and --only that fit the file")
     p.set_defaults(run=_check)
     sub.add_parser("recipes", help="list the recipes").set_defaults(run=_recipes)
     p = sub.add_parser(
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
                    "write (an earlier prune's output is replaced without it)")
     p.add_argument("--include", action="append", metavar="GLOB", help="prune only these weights (repeatable)")
     p.add_argument("--exclude", action="append", metavar="GLOB", help="leave these dense (repeatable; output "
-                   "heads and MoE routers stay dense by default: see the README)")
+                   "heads and MoE routers stay dense by default: see docs/reference.md)")
     p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (for a .pt model)")
     p.add_argument("--inner", default=None, help="inner compiler for the calibration graphs (default: aot_eager for "
                    "one pass, no Inductor compile for a one-time run; inductor for each block of a sequential one, "

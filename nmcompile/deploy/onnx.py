@@ -253,7 +253,8 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=Non
 
     Initializers recorded by :func:`export_onnx` are checked with their recorded pattern and axis;
     without a record, every >= 2-D floating initializer is checked with ``pattern`` (default 2:4)
-    along ``dim``. ``only``: glob pattern(s) of the initializer names to check (default: all). A
+    along ``dim``. A recorded initializer is reported under the name of the parameter it holds (the
+    exporter may name it ``val_8``); ``only``: glob pattern(s) of those names to check (default: all). A
     file that is not an ONNX model (empty, truncated, corrupt) or whose record is damaged raises
     ValueError; a model without such initializers gives a report that is not ok.
     """
@@ -271,7 +272,9 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=Non
     recorded = _recorded(os.fspath(path), meta)
     report = CheckReport()
     for init in proto.graph.initializer:
-        if len(init.dims) < 2 or not selects(report, init.name, only):
+        # a tensor is named by the parameter it holds where the record says (the exporter may call it val_8)
+        name = str((recorded or {}).get(init.name, {}).get("parameter") or init.name)
+        if len(init.dims) < 2 or not selects(report, name, only):
             continue
         array = numpy_helper.to_array(init)
         if array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":
@@ -280,10 +283,10 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=Non
         if recorded is not None:
             entry = recorded.get(init.name)
             if entry is None:
-                report.skipped[init.name] = "not recorded as N:M by nmcompile (dense)"
+                report.skipped[name] = "not recorded as N:M by nmcompile (dense)"
                 continue
             n, m = (int(v) for v in entry["pattern"].split(":"))
-            check_one(report, init.name, tensor, pattern or NMPattern(n, m), int(entry["axis"]))
+            check_one(report, name, tensor, pattern or NMPattern(n, m), int(entry["axis"]))
         else:
-            check_one(report, init.name, tensor, pattern or NMPattern(2, 4), dim)
+            check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
     return report
