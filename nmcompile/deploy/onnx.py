@@ -29,6 +29,9 @@ from ..pattern import NMPattern
 __all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]
 
 METADATA_KEY = "nmcompile.sparsity"
+#: a model whose parameters and buffers take more bytes than this is written with its tensors in a
+#: ``.onnx.data`` file beside it (a protobuf file holds at most 2 GB); a smaller one keeps them inline
+INLINE_BYTES = 1 << 30
 TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
 
 
@@ -130,7 +133,9 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         dynamic_batch: make dim 0 of every tensor input dynamic (``batch``).
         verify: run the file with onnxruntime (CPU) and compare with the model's outputs.
         opset: ONNX opset (default: the exporter's).
-        export_kwargs: passed to ``torch.onnx.export``.
+        export_kwargs: passed to ``torch.onnx.export``. ``external_data`` (default: only for a model of more
+            than 1 GiB of tensors) writes the tensors to ``path + ".data"`` beside the file, which refers to it;
+            without it every tensor is inline and nothing else is written.
 
     Raises:
         ValueError: nothing finalized, or annotated weights not finalized yet, or an initializer that
@@ -162,6 +167,8 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         export_kwargs["opset_version"] = opset
     path = os.fspath(path)
     export_kwargs.setdefault("verbose", False)  # the exporter's step-by-step progress lines
+    tensors = [*model.parameters(), *model.buffers()]
+    external = export_kwargs.setdefault("external_data", sum(t.numel() * t.element_size() for t in tensors) > INLINE_BYTES)
     with _quiet_exporter():
         torch.onnx.export(model, args, path, dynamo=True, **export_kwargs)
     proto = onnx.load(path)
@@ -178,7 +185,11 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         entries[init_name] = {"pattern": str(record.pattern), "axis": axis, "parameter": name, "recipe": record.recipe}
     del proto.metadata_props[:]
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(entries, sort_keys=True))
-    onnx.save(proto, path)
+    if external:  # the tensors go back to the one file beside the model that the model refers to
+        onnx.save(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=os.path.basename(path) + ".data")
+    else:
+        onnx.save(proto, path)
     result = OnnxExportReport(path, entries)
     result.check = check_onnx(path)
     if not result.check.ok:

@@ -162,3 +162,15 @@ def test_check_names_recorded_initializers_by_their_parameter(tmp_path, capsys):
     assert cli(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert "blocks.0.mlp.fc.weight: 2:4 along dim 1: ok" in out and "val_8" not in out
+
+
+def test_a_small_model_is_one_file_with_no_sidecar(tmp_path):
+    model = finalized(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    nmcompile.export_onnx(model, torch.randn(4, 32), tmp_path / "one.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.onnx"]  # no .onnx.data that nothing reads
+    proto = onnx.load(str(tmp_path / "one.onnx"), load_external_data=False)
+    assert all(not init.external_data for init in proto.graph.initializer)
+    report = nmcompile.export_onnx(model, torch.randn(4, 32), tmp_path / "two.onnx", external_data=True)
+    assert report.check.ok and (tmp_path / "two.onnx.data").exists()  # asked for: written and referred to
+    proto = onnx.load(str(tmp_path / "two.onnx"), load_external_data=False)
+    assert {entry.value for init in proto.graph.initializer for entry in init.external_data if entry.key == "location"} == {"two.onnx.data"}
