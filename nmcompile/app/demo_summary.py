@@ -54,8 +54,10 @@ def uses_kernel(decision) -> bool:
 
 def deploy_line(d: dict) -> str:
     """The deployed model: which layers run the 2:4 kernel and, only when some do, how fast it generates."""
-    same = "same text as the eager model" if d["same_text"] else "DIFFERENT text from the eager model"
-    head = f"deployed 2:4 (backend='nmsparse', greedy, {d['chars']} chars: {same})"
+    diff = d.get("max_abs_diff")
+    close = "" if diff is None else f"logits within {diff:.2g} of the eager model's, "
+    same = "the same greedy text" if d["same_text"] else "another greedy text (logits that nearly tie round apart)"
+    head = f"deployed 2:4 (backend='nmsparse', {d['chars']} chars: {close}{same})"
     if not d["kernel_layers"]:
         why = d.get("why") or "each was measured no faster than dense"
         return (f"{head}: none of the {d['layers']} layers runs the 2:4 kernel at these sizes ({why}); the kernel "

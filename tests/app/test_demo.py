@@ -40,7 +40,7 @@ def test_demo_end_to_end_on_a_tiny_text(tmp_path):
     assert nmcompile.check(out / "model.onnx").ok
     assert "validation loss" in format_summary(summary) and summary["sample"].startswith("ROMEO")
     deployed = summary["deploy"]  # the finalized model deployed with backend="nmsparse", greedy text
-    assert deployed["layers"] == 4 and deployed["same_text"]
+    assert deployed["layers"] == 4 and deployed["max_abs_diff"] < 1e-3  # the text may flip where logits tie
     assert ("chars/s" in format_summary(summary)) == bool(deployed["kernel_layers"])  # a speed only with the kernel
     assert summary["stopped"] is None and "stopped at" not in format_summary(summary)
     assert summary["timings"]["total"] >= summary["timings"]["training"] > 0
@@ -204,7 +204,8 @@ def test_deploy_line_gives_a_speed_only_for_layers_on_the_kernel():
     some = {**none, "kernel_layers": ["blocks.0.mlp.fc.weight"], "dense_chars_per_s": 100.0, "sparse_chars_per_s": 150.0}
     assert "1 of 8 layers run the 2:4 kernel (blocks.0.mlp.fc.weight)" in deploy_line(some)
     assert "one thread" in deploy_line(some) and "(1.50x)" in deploy_line(some)
-    assert "DIFFERENT text" in deploy_line({**none, "same_text": False})
+    assert "another greedy text" in deploy_line({**none, "same_text": False})
+    assert "logits within 3e-06 of the eager model's" in deploy_line({**none, "max_abs_diff": 3e-6})
     assert uses_kernel(Decision("cpu24", "timed", max_tokens=16)) and not uses_kernel(Decision("dense", "small"))
     assert not uses_kernel(Decision("cpu24", "timed", max_tokens=0)) and not uses_kernel("not compiled yet")
 
