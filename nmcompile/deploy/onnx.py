@@ -29,6 +29,9 @@ from ..pattern import NMPattern
 __all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]
 
 METADATA_KEY = "nmcompile.sparsity"
+#: a model whose parameters and buffers take more bytes than this is written with its tensors in a
+#: ``.onnx.data`` file beside it (a protobuf file holds at most 2 GB); a smaller one keeps them inline
+INLINE_BYTES = 1 << 30
 TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
 
 
@@ -130,7 +133,9 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         dynamic_batch: make dim 0 of every tensor input dynamic (``batch``).
         verify: run the file with onnxruntime (CPU) and compare with the model's outputs.
         opset: ONNX opset (default: the exporter's).
-        export_kwargs: passed to ``torch.onnx.export``.
+        export_kwargs: passed to ``torch.onnx.export``. ``external_data`` (default: only for a model of more
+            than 1 GiB of tensors) writes the tensors to ``path + ".data"`` beside the file, which refers to it;
+            without it every tensor is inline and nothing else is written.
 
     Raises:
         ValueError: nothing finalized, or annotated weights not finalized yet, or an initializer that
@@ -162,6 +167,8 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         export_kwargs["opset_version"] = opset
     path = os.fspath(path)
     export_kwargs.setdefault("verbose", False)  # the exporter's step-by-step progress lines
+    tensors = [*model.parameters(), *model.buffers()]
+    external = export_kwargs.setdefault("external_data", sum(t.numel() * t.element_size() for t in tensors) > INLINE_BYTES)
     with _quiet_exporter():
         torch.onnx.export(model, args, path, dynamo=True, **export_kwargs)
     proto = onnx.load(path)
@@ -178,7 +185,11 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         entries[init_name] = {"pattern": str(record.pattern), "axis": axis, "parameter": name, "recipe": record.recipe}
     del proto.metadata_props[:]
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(entries, sort_keys=True))
-    onnx.save(proto, path)
+    if external:  # the tensors go back to the one file beside the model that the model refers to
+        onnx.save(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=os.path.basename(path) + ".data")
+    else:
+        onnx.save(proto, path)
     result = OnnxExportReport(path, entries)
     result.check = check_onnx(path)
     if not result.check.ok:
@@ -253,7 +264,8 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=Non
 
     Initializers recorded by :func:`export_onnx` are checked with their recorded pattern and axis;
     without a record, every >= 2-D floating initializer is checked with ``pattern`` (default 2:4)
-    along ``dim``. ``only``: glob pattern(s) of the initializer names to check (default: all). A
+    along ``dim``. A recorded initializer is reported under the name of the parameter it holds (the
+    exporter may name it ``val_8``); ``only``: glob pattern(s) of those names to check (default: all). A
     file that is not an ONNX model (empty, truncated, corrupt) or whose record is damaged raises
     ValueError; a model without such initializers gives a report that is not ok.
     """
@@ -271,7 +283,9 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=Non
     recorded = _recorded(os.fspath(path), meta)
     report = CheckReport()
     for init in proto.graph.initializer:
-        if len(init.dims) < 2 or not selects(report, init.name, only):
+        # a tensor is named by the parameter it holds where the record says (the exporter may call it val_8)
+        name = str((recorded or {}).get(init.name, {}).get("parameter") or init.name)
+        if len(init.dims) < 2 or not selects(report, name, only):
             continue
         array = numpy_helper.to_array(init)
         if array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":
@@ -280,10 +294,10 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=Non
         if recorded is not None:
             entry = recorded.get(init.name)
             if entry is None:
-                report.skipped[init.name] = "not recorded as N:M by nmcompile (dense)"
+                report.skipped[name] = "not recorded as N:M by nmcompile (dense)"
                 continue
             n, m = (int(v) for v in entry["pattern"].split(":"))
-            check_one(report, init.name, tensor, pattern or NMPattern(n, m), int(entry["axis"]))
+            check_one(report, name, tensor, pattern or NMPattern(n, m), int(entry["axis"]))
         else:
-            check_one(report, init.name, tensor, pattern or NMPattern(2, 4), dim)
+            check_one(report, name, tensor, pattern or NMPattern(2, 4), dim)
     return report

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .. import ops as _ops  # noqa: F401  registers the nmsparse:: ops the recipes' projections call
 from .asp import ASP
 from .base import Recipe, nearest
 from .bi_mask import BiMask

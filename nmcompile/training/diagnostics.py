@@ -47,8 +47,17 @@ def diagnostics(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def plot_diagnostics(diag: dict[str, dict[str, torch.Tensor]], path: str | os.PathLike) -> str:
-    """Draw :func:`diagnostics` output (flip rate, SAD, and Z_t when present) into a PNG at ``path``."""
+#: a series with at most this many points is drawn with a marker on each, so that a single point shows
+MARKED_POINTS = 30
+
+
+def series_style(points: int) -> dict:
+    """Line style of a plotted series: markers where it is short (one point is invisible as a bare line)."""
+    return {"marker": "o", "markersize": 3} if points <= MARKED_POINTS else {}
+
+
+def diagnostics_figure(diag: dict[str, dict[str, torch.Tensor]]):
+    """The matplotlib figure of :func:`diagnostics` output: flip rate, SAD, and Z_t when present."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -56,16 +65,18 @@ def plot_diagnostics(diag: dict[str, dict[str, torch.Tensor]], path: str | os.Pa
         raise ImportError(
             "plot_diagnostics needs matplotlib: pip install 'nmcompile[plot]' (or pip install matplotlib)"
         ) from err
-    panels = [("flip_rate", "flip rate"), ("sad", "SAD (positions changed since the first record)")]
+    panels = [("flip_rate", "flip rate (since the previous record)", "fraction of positions"),
+              ("sad", "SAD (positions changed since the first record)", "positions")]
     if any("z" in entry for entry in diag.values()):
-        panels.append(("z", "STEP Z_t (second-moment change)"))
+        panels.append(("z", "STEP Z_t (second-moment change)", "Z_t"))
     fig = Figure(figsize=(7, 2.6 * len(panels)), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
-    for ax, (key, title) in zip(axes, panels):
+    for ax, (key, title, ylabel) in zip(axes, panels):
         for name, entry in diag.items():
             if key in entry and entry[key].numel():
-                ax.plot(entry[f"{key}_steps"].numpy(), entry[key].numpy(), label=name, linewidth=1)
+                values = entry[key].numpy()
+                ax.plot(entry[f"{key}_steps"].numpy(), values, label=name, linewidth=1, **series_style(len(values)))
             switch = entry.get("switch_step")
             if key == "z" and switch is not None and int(switch) >= 0:
                 ax.axvline(int(switch), color="k", linestyle="--", linewidth=0.8)
@@ -73,8 +84,14 @@ def plot_diagnostics(diag: dict[str, dict[str, torch.Tensor]], path: str | os.Pa
         if key == "z":
             ax.set_yscale("log")
         ax.set_xlabel("optimizer step", fontsize=8)
-    if diag:
+        ax.set_ylabel(ylabel, fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(os.fspath(path), format="png")
+    return fig
+
+
+def plot_diagnostics(diag: dict[str, dict[str, torch.Tensor]], path: str | os.PathLike) -> str:
+    """Draw :func:`diagnostics` output (flip rate, SAD, and Z_t when present) into a PNG at ``path``."""
+    diagnostics_figure(diag).savefig(os.fspath(path), format="png")
     return os.fspath(path)

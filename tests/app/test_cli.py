@@ -34,11 +34,23 @@ def test_check_reports_compliance_and_sets_exit_code(tmp_path):
     assert fail.returncode == 1 and "32/32 groups violate" in fail.stdout
 
 
-@pytest.mark.slow
-def test_recipes_lists_keys_and_defaults():
-    out = run("recipes")
-    assert out.returncode == 0
-    assert "sr_ste:N:M  (wgrad=dense, decay=0.0002)" in out.stdout
+def test_recipes_lists_each_recipes_own_keys_as_the_parser_spells_them(capsys):
+    import re
+
+    code, out, _ = run_here(capsys, "recipes")
+    assert code == 0
+    lines = {line.split(":N:M")[0]: line for line in out.splitlines() if ":N:M  " in line}
+    assert sorted(lines) == sorted(nmcompile.recipes.RECIPES)
+    assert lines["sr_ste"] == "sr_ste:N:M  wgrad=dense (or mvue12, mvue24), decay=0.0002"
+    assert "wgrad" not in lines["wanda"] and "wgrad" not in lines["sparsegpt"]  # one shot: nothing trains
+    assert "update=on" in lines["sparsegpt"] and "permute=on" in lines["asp"] and "fp8=off" in lines["s_ste"]
+    assert "total_steps (required)" in lines["step"] and "t_min=0.1" in lines["step"]
+    for name, line in lines.items():  # every key=default shown is a recipe string the parser takes back
+        keys = line.split(":N:M  ")[1].split("  [")[0]
+        required = ",total_steps=10" if "total_steps (required)" in keys else ""
+        for key, value in re.findall(r"(\w+)=([^,\s]+)", keys):
+            recipe = nmcompile.recipe(f"{name}:2:4,{key}={value}{required}")
+            assert getattr(recipe, key) == getattr(type(recipe)(**({"total_steps": 10} if required else {})), key)
 
 
 class _NotAStateDict:

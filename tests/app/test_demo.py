@@ -10,6 +10,7 @@ import nmcompile
 from nmcompile.app.cli import main as cli
 from nmcompile.app.datasets import CharCorpus
 from nmcompile.app.demo import format_summary, run_demo
+from nmcompile.app.demo_summary import deploy_line, reference_line, training_line, uses_kernel
 from nmcompile.app.progress import Progress
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\nO Romeo, Romeo.\n" * 40
@@ -38,10 +39,11 @@ def test_demo_end_to_end_on_a_tiny_text(tmp_path):
         assert (out / name).stat().st_size > 0, name
     assert nmcompile.check(out / "model.onnx").ok
     assert "validation loss" in format_summary(summary) and summary["sample"].startswith("ROMEO")
-    generation = summary["generation"]  # greedy generation timed dense vs deployed 2:4
-    assert generation["dense_chars_per_s"] > 0 and generation["sparse_chars_per_s"] > 0
-    assert generation["layers"] == 4 and 0 <= generation["sparse_layers"] <= 4
-    assert "chars/s" in format_summary(summary).splitlines()[-1]
+    deployed = summary["deploy"]  # the finalized model deployed with backend="nmsparse", greedy text
+    assert deployed["layers"] == 4 and deployed["max_abs_diff"] < 1e-3  # the text may flip where logits tie
+    assert ("chars/s" in format_summary(summary)) == bool(deployed["kernel_layers"])  # a speed only with the kernel
+    assert summary["stopped"] is None and "stopped at" not in format_summary(summary)
+    assert summary["timings"]["total"] >= summary["timings"]["training"] > 0
     # the dense reference: the same model, batches and steps, dense; drawn and summarised
     assert [step for step, _ in run["dense_loss"]] == [step for step, _ in run["loss"]]
     assert run["dense_loss"] != run["loss"] and run["dense_eval"][-1][1] == summary["dense_validation_loss"]
@@ -160,3 +162,94 @@ def test_loss_plot_draws_a_recorded_dense_reference(tmp_path):
     assert "no dense reference recorded" in loss_ax.get_title()
     with pytest.raises(ValueError, match="dense_loss must be"):
         nmcompile.app.save_run(tmp_path / "bad", model, loss=loss, dense_loss=[1.0])
+
+
+def _summary(**changes):
+    summary = {"recipe": "s_ste:2:4", "steps": 600, "steps_planned": 600, "minutes": 4.0, "stopped": None,
+               "first_step_seconds": 30.0, "seconds": 200.0, "validation_loss": 1.95, "dense_validation_loss": 1.90,
+               "dense_steps": 600}
+    summary.update(changes)
+    return summary
+
+
+def test_summary_of_a_run_that_ran_every_step():
+    line = training_line(_summary())
+    assert line.startswith("recipe s_ste:2:4: 600 steps in 200.0 s") and "stopped" not in line
+    assert "the recipe costs +0.050" in line and reference_line(_summary()) is None
+
+
+def test_summary_says_when_the_cap_stopped_training_and_why():
+    cut = _summary(steps=25, stopped="time", first_step_seconds=127.0, dense_steps=25)
+    line = training_line(cut)
+    assert "stopped at 25 of 600 steps: the 4-minute cap" in line and "took 127 s" in line
+    assert "undertrained" in line  # 25 of 600 steps: the sample is noise, and the summary says so
+    assert "undertrained" not in training_line(_summary(steps=500, stopped="time", dense_steps=500))
+    # a dense reference cut shorter than the recipe's run is not compared with it
+    shorter = _summary(steps=25, stopped="time", dense_steps=12)
+    assert "the recipe costs" not in training_line(shorter)
+    assert reference_line(shorter).startswith("dense reference: stopped at 12 of 25 steps: the 4-minute cap")
+    skipped = _summary(steps=25, stopped="time", dense_steps=None, dense_validation_loss=None,
+                       dense_skipped="3 s of the cap left")
+    assert reference_line(skipped) == "dense reference: skipped: 3 s of the cap left"
+
+
+def test_deploy_line_gives_a_speed_only_for_layers_on_the_kernel():
+    from nmcompile.kernels.dispatch import Decision
+
+    none = {"chars": 40, "layers": 8, "kernel_layers": [], "same_text": True,
+            "why": "the largest weight is 256 KB; blocks.0.mlp.fc.weight: cpu24 measured slower than dense"}
+    line = deploy_line(none)
+    assert "none of the 8 layers runs the 2:4 kernel at these sizes (the largest weight is 256 KB" in line
+    assert "chars/s" not in line and "x)" not in line
+    some = {**none, "kernel_layers": ["blocks.0.mlp.fc.weight"], "dense_chars_per_s": 100.0, "sparse_chars_per_s": 150.0}
+    assert "1 of 8 layers run the 2:4 kernel (blocks.0.mlp.fc.weight)" in deploy_line(some)
+    assert "one thread" in deploy_line(some) and "(1.50x)" in deploy_line(some)
+    assert "another greedy text" in deploy_line({**none, "same_text": False})
+    assert "logits within 3e-06 of the eager model's" in deploy_line({**none, "max_abs_diff": 3e-6})
+    assert uses_kernel(Decision("cpu24", "timed", max_tokens=16)) and not uses_kernel(Decision("dense", "small"))
+    assert not uses_kernel(Decision("cpu24", "timed", max_tokens=0)) and not uses_kernel("not compiled yet")
+
+
+def test_progress_eta_leaves_out_the_compile_and_stops_at_the_deadline():
+    import io
+
+    now = [0.0]
+    bar = Progress(600, "demo", stream=io.StringIO(), clock=lambda: now[0], deadline=144.0)
+    now[0] = 127.0
+    bar.update(1)  # the first step carried the compile: no rate yet
+    assert bar.eta(1, now[0]) is None and "eta    ?s" in bar.stream.getvalue()
+    now[0] = 136.0
+    assert bar.eta(10, now[0]) == 8.0  # 1 s a step would leave 590 s, but the cap stops it in 8
+    bar.deadline = None
+    assert bar.eta(10, now[0]) == 590.0
+
+
+def test_train_run_records_a_stop_by_the_time_cap():
+    from nmcompile.app.run import train_run
+
+    data = (torch.randn(8, 4), torch.randn(8, 2))
+    out = train_run(torch.nn.Linear(4, 2), None, lambda s: data, torch.nn.functional.mse_loss, lambda f: 0.0, steps=5,
+                    max_seconds=0.0, eval_first=True, progress=False, inner="aot_eager")["record"]
+    assert out["steps_run"] == 1 and out["stopped"] == "time" and out["first_step_seconds"] > 0
+    assert [step for step, _ in out["eval"]] == [1]
+    full = train_run(torch.nn.Linear(4, 2), None, lambda s: data, torch.nn.functional.mse_loss, lambda f: 0.0, steps=3,
+                     progress=False, inner="aot_eager")["record"]
+    assert full["steps_run"] == 3 and full["stopped"] is None
+
+
+def test_plots_draw_a_single_point_and_label_their_axes(tmp_path):
+    pytest.importorskip("matplotlib")
+    from nmcompile.app.report import _loss_figure, load_run
+    from nmcompile.training.diagnostics import diagnostics_figure
+
+    diag = {"0.weight": {"flip_rate": torch.tensor([0.1]), "flip_rate_steps": torch.tensor([10]),
+                         "sad": torch.tensor([3.0]), "sad_steps": torch.tensor([10])}}
+    for ax in diagnostics_figure(diag).axes:
+        assert ax.get_ylabel() and ax.get_xlabel() == "optimizer step"
+        assert [line.get_marker() for line in ax.lines] == ["o"]  # one point shows as a marker
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    nmcompile.annotate(model, "ste:2:4")
+    nmcompile.app.save_run(tmp_path, model, loss=[(10, 2.0)], eval=[(10, 2.1)], eval_name="validation loss (nats)")
+    loss_ax, eval_ax = _loss_figure(load_run(tmp_path)).axes
+    assert loss_ax.get_ylabel() == "training loss" and eval_ax.get_ylabel() == "validation loss"
+    assert loss_ax.lines[0].get_marker() == "o" and eval_ax.lines[0].get_marker() == "o"

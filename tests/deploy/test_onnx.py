@@ -139,3 +139,38 @@ def test_export_keeps_the_exporters_noise_to_itself(tmp_path, capfd, caplog):
     assert not [w for w in caught if "LeafSpec" in str(w.message)]
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == ["after the export"]
     assert registration.filters == filters  # the logging filter was scoped to the export
+
+
+def test_check_names_recorded_initializers_by_their_parameter(tmp_path, capsys):
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = nmcompile.masks.prune(torch.randn(8, 16), 2, 4, 1)
+    nodes = [helper.make_node("MatMul", ["x", "val_8"], ["h"]), helper.make_node("MatMul", ["h", "val_9"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        initializer=[numpy_helper.from_array(weight.numpy(), "val_8"), numpy_helper.from_array(torch.randn(16, 4).numpy(), "val_9")],
+    )
+    model = helper.make_model(graph)
+    model.metadata_props.add(key=METADATA_KEY, value=json.dumps(
+        {"val_8": {"pattern": "2:4", "axis": 1, "parameter": "blocks.0.mlp.fc.weight", "recipe": "ste:2:4"}}))
+    path = tmp_path / "named.onnx"
+    onnx.save(model, str(path))
+    report = nmcompile.check(path)
+    assert report.ok and list(report) == ["blocks.0.mlp.fc.weight"] and list(report.skipped) == ["val_9"]
+    assert list(nmcompile.check(path, only="blocks.*.fc.weight")) == ["blocks.0.mlp.fc.weight"]
+    assert cli(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.0.mlp.fc.weight: 2:4 along dim 1: ok" in out and "val_8" not in out
+
+
+def test_a_small_model_is_one_file_with_no_sidecar(tmp_path):
+    model = finalized(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    nmcompile.export_onnx(model, torch.randn(4, 32), tmp_path / "one.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.onnx"]  # no .onnx.data that nothing reads
+    proto = onnx.load(str(tmp_path / "one.onnx"), load_external_data=False)
+    assert all(not init.external_data for init in proto.graph.initializer)
+    report = nmcompile.export_onnx(model, torch.randn(4, 32), tmp_path / "two.onnx", external_data=True)
+    assert report.check.ok and (tmp_path / "two.onnx.data").exists()  # asked for: written and referred to
+    proto = onnx.load(str(tmp_path / "two.onnx"), load_external_data=False)
+    assert {entry.value for init in proto.graph.initializer for entry in init.external_data if entry.key == "location"} == {"two.onnx.data"}

@@ -2,7 +2,7 @@
 
 The first part checks the stand-in itself (tests/_gpu_contracts.py) on what the CUDA sources say:
 the layout from ``is_contiguous()`` alone, the dims it refuses, no dtype check. The second part
-reproduces each finding of the review (docs/benchmarks.md, "What the CPU stand-in proves") on
+reproduces each finding of the review (docs/benchmarks-history.md, "What the CPU stand-in proves") on
 nmcompile's ops: token counts off the multiple of 8, non-contiguous inputs, autocast, the CUTLASS
 reduction dim, the host sync of a checked pack, the compute-capability rule.
 """
