@@ -127,7 +127,9 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             pruned (SparseGPT's sequential form; needs ``calibration``). With batches it costs about
             one forward pass: the first block's inputs are caught once and each block runs alone on
             them (:mod:`nmcompile.deploy.sequential`); with a function, or blocks that do not form a
-            chain, the model runs again before each block. ``None`` (the default): sequential when one
+            chain, the model runs again before each block, in the order the model runs its blocks (learnt
+            from one more call of the function, run eagerly and stopped after the model's first forward;
+            the order is named in ``report.calibration`` where it is not registration order). ``None`` (the default): sequential when one
             pass's statistics, held twice, would take more than half the memory available, else one pass; the
             choice and why are in ``report.calibration``.
         calibration_options: ``nmsparse`` backend options of the graphs finalize compiles for
@@ -263,7 +265,7 @@ def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, repo
             except cached.Unchained as why:
                 report.calibration += f"; the model ran again before each block ({why})"
         if solved is None:
-            solved = oneshot.solve_sequential(model, run)
+            solved = oneshot.solve_sequential(model, run, _ran_order(model, run, report))
     else:
         if run is not None:
             run()
@@ -275,6 +277,26 @@ def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, repo
         warnings.warn("nmcompile.finalize: one-shot weights solved otherwise than from their statistics:\n  "
                       + "\n  ".join(note for notes in report.fallbacks.values() for note in notes), stacklevel=3)
     return solved
+
+
+def _ran_order(model: nn.Module, run, report: FinalizeReport) -> list[list[str]]:
+    """The one-shot blocks in the order the model runs them (see :mod:`nmcompile.deploy.block_order`),
+    named in ``report.calibration`` where it is not registration order; blocks the first forward did
+    not run are warned about."""
+    from . import oneshot
+    from .block_order import block_module, run_order
+
+    groups = oneshot.blocks([name for name, _, _ in oneshot.calibrated(model)])
+    order, missing = run_order(model, groups, run)
+    names = [block_module(model, group)[0] or group[0] for group in order]
+    if order != groups:
+        report.calibration += f"; blocks solved in the order the model ran them: {', '.join(names)}"
+    if missing:
+        note = (f"{', '.join(missing)} did not run in the model's first forward over the calibration batches, so "
+                "the order they run in is not known: they are solved last, in registration order")
+        report.calibration += f"; {note}"
+        warnings.warn(f"nmcompile.finalize (sequential): {note}", stacklevel=4)
+    return order
 
 
 def _calibration_form(model: nn.Module, sequential: bool | None, calibrating: bool) -> tuple[bool, str]:
