@@ -41,9 +41,13 @@ class Deployed:
     dim: int
     recipe: str
     change: float = 0.0  # relative L2 change of the forward weight that finalize(force=True) made
+    # why the compiled graph left the declared weight dense (it trained dense; finalize(force=True) pruned it)
+    trained_dense: str = ""
 
     def describe(self) -> str:
         how = f"trained with {self.recipe}" if self.recipe else "loaded N:M"
+        if self.trained_dense:
+            how = f"trained dense, pruned by magnitude at finalize: {self.trained_dense}"
         changed = f", changed by {self.change:.3g} (forced)" if self.change else ""
         return f"{self.pattern} along dim {self.dim} ({how}){changed}"
 
@@ -152,14 +156,25 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
     broken: dict[str, str] = {}
+    dense_trained: list[str] = []
     for name, ann, weight in _effective(model, broken):
         if name in broken:
             continue
         nm, dim = ann.recipe.pattern, ann.dim
         if name in solved:
             weight = solved[name].weight
+        why = None if ann.recipe.calibrated else records.left_dense(ann)
+        if why is not None and not force:
+            dense_trained.append(f"{name} ({ann.recipe}): {why}")
+            continue
         bad, total = masks.count_violations(weight, nm.n, nm.m, dim)
         change = 0.0
+        if why is not None:
+            pruned = masks.prune(weight, nm.n, nm.m, dim)
+            change = float((pruned - weight).float().norm() / weight.float().norm().clamp_min(1e-30))
+            changed.append(f"{name}: {change:.3g} (trained dense: the graph left it dense)")
+            baked.append((name, ann, pruned, Deployed(nm, dim, "", change, why)))
+            continue
         if bad:
             if not force:
                 problems.append(f"{name} ({ann.recipe}): {bad}/{total} groups are not {nm}; {_not_nm_hint(ann.recipe)}")
@@ -173,6 +188,15 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
         raise ValueError(
             "nmcompile.finalize: the recipe state of these layers is none their recipe makes, nothing was "
             "changed:\n  " + "\n  ".join(f"{name}: {why}" for name, why in broken.items())
+        )
+    if dense_trained:
+        raise ValueError(
+            "nmcompile.finalize: the compiled graph left these declared weights dense (the compile warning named "
+            "them), so they trained dense and their recipe's N:M weight is not what the model computes; nothing "
+            "was changed:\n  " + "\n  ".join(dense_trained)
+            + "\nUse each weight through F.linear, x @ W, addmm or a batched conv in the model and train again, or "
+            "call finalize(model, force=True) to prune them by magnitude (changes the function; recorded as trained "
+            "dense, not with the recipe)"
         )
     if problems:
         raise ValueError(

@@ -49,6 +49,9 @@ def _effective(model: nn.Module, problems: dict | None = None) -> Iterator[tuple
                     problem = ann.recipe.state_problem(full(param.detach()), *(full(t) for t in state), dim=ann.dim)
                     if problem is not None:
                         problems[name] = _state_message(problem, ann.buffer_names(pname))
+                if records.left_dense(ann) is not None:  # the graph's forward uses the dense weight
+                    yield name, ann, full(param.detach())
+                    continue
                 yield name, ann, ann.recipe.project(full(param.detach()), *state, dim=ann.dim)
 
 
@@ -57,7 +60,9 @@ def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
     A pure function of the weights and the recipe state (e.g. ``beta * S(W)`` for S-STE). Weights
     annotated through backend options, ``NMSPARSE_RECIPE`` or a region appear once the compiled
-    model has run.
+    model has run. A declared weight that the compiled graph left dense (used through ``einsum``,
+    ``x @ W.t()``, along two reduction dims: the compile warning names it) is its dense parameter,
+    which is what that graph's forward uses; :func:`check` names it.
     """
     return {name: weight for name, _, weight in _effective(model)}
 
@@ -75,6 +80,14 @@ def _state_message(problem: str, buffers: tuple[str, ...]) -> str:
 
 _UNSOLVED = ("{recipe} is not solved yet (the weight stays dense while calibrating): run calibration batches "
              "through the model compiled with backend='nmsparse', then nmcompile.finalize(model)")
+
+
+def _left_dense(ann: WeightAnnotation) -> str:
+    why = records.left_dense(ann)
+    if why is None:
+        return ""
+    return (f"declared {ann.recipe}, but the nmsparse graph left it dense, so it trains dense and its forward uses "
+            f"the dense weight: {why}")
 
 
 def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None, only=None) -> CheckReport:
@@ -111,7 +124,8 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None
         problems: dict[str, str] = {}
         for name, ann, weight in _effective(obj, problems):
             if selects(report, name, only):
-                problem = problems.get(name) or (_UNSOLVED.format(recipe=ann.recipe) if ann.recipe.calibrated else "")
+                problem = (_left_dense(ann) or problems.get(name)
+                           or (_UNSOLVED.format(recipe=ann.recipe) if ann.recipe.calibrated else ""))
                 check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim, problem)
         for name, places in owners(obj):
             _, module, pname = places[0]

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the records sit below the recipes: the type alone, for read
 
 __all__ = ["RECIPES", "DEPLOYED", "table", "get", "put", "drop", "owners", "root", "WeightAnnotation",
            "annotation_of", "deployed_of", "state_of", "state_dict_of", "Seen", "replaced", "refresh", "refresh_if_replaced",
-           "state_shape_differs", "parametrized_reason"]
+           "state_shape_differs", "parametrized_reason", "left_dense"]
 
 RECIPES = "_nmcompile_recipes"  # {parameter attribute: WeightAnnotation}
 DEPLOYED = "_nmcompile_deployed"  # {parameter attribute: Deployed}
@@ -141,6 +141,12 @@ class WeightAnnotation:
 
     def buffer_names(self, param_name: str) -> tuple[str, ...]:
         return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)
+
+
+def left_dense(ann: WeightAnnotation) -> str | None:
+    """Why a compiled graph left the declared weight dense (it trains dense and its forward uses the
+    dense weight), when no ``nmsparse`` graph has run it rewritten; else None."""
+    return ann.named if ann.named is not None and not ann.consumed else None
 
 
 def annotation_of(module: nn.Module, param_name: str) -> WeightAnnotation | None:
