@@ -129,11 +129,13 @@ class WeightAnnotation:
 
     def __deepcopy__(self, memo) -> WeightAnnotation:
         """A copy whose module (a ``copy.deepcopy`` of the model) the step driver watches as it does
-        the original's: a copied model counts its steps and is named when it trains dense."""
+        the original's: a copied model counts its steps and is named when it trains dense (no graph
+        has run the copy's weights yet, whatever ran the original's)."""
         copied = copy.copy(self)
         memo[id(self)] = copied
         for key, value in self.__dict__.items():
             copied.__dict__[key] = copy.deepcopy(value, memo)
+        copied.consumed = False  # no graph has run the copy yet: trained eagerly, it is named at its step
         adopt = getattr(copied.driver, "adopt_copy", None)
         if adopt is not None:
             adopt(self, memo)
