@@ -47,6 +47,7 @@ def _effective(model: nn.Module, problems: dict | None = None) -> Iterator[tuple
                     )
                 if problems is not None:
                     problem = ann.recipe.state_problem(full(param.detach()), *(full(t) for t in state), dim=ann.dim)
+                    problem = problem or ann.averaged  # what the step driver found in a copy (an EMA)
                     if problem is not None:
                         problems[name] = _state_message(problem, ann.buffer_names(pname))
                 if records.left_dense(ann) is not None:  # the graph's forward uses the dense weight

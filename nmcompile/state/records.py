@@ -124,6 +124,11 @@ class WeightAnnotation:
     stale: bool = field(default=False, compare=False)  # the weight was replaced; its state was not recomputed
     # why the backend left it dense, once it said so (the step driver does not name it again)
     named: str | None = field(default=None, compare=False)
+    # a copy's record (copy.deepcopy, e.g. an EMA): the record it was copied from, looked at a few times by
+    # the step driver to find state averaged instead of copied (see nmcompile.training.copy_checks)
+    copy_of: object = field(default=None, compare=False, repr=False)
+    # what the step driver found averaged in this copy's recipe state (read by check and finalize)
+    averaged: str | None = field(default=None, compare=False)
 
     __hash__ = None  # mutable (pending); compare by (recipe, dim)
 
@@ -136,6 +141,7 @@ class WeightAnnotation:
         for key, value in self.__dict__.items():
             copied.__dict__[key] = copy.deepcopy(value, memo)
         copied.consumed = False  # no graph has run the copy yet: trained eagerly, it is named at its step
+        copied.copy_of = None  # the driver links it to this record (adopt_copy)
         adopt = getattr(copied.driver, "adopt_copy", None)
         if adopt is not None:
             adopt(self, memo)
