@@ -11,7 +11,6 @@ backend can rewrite its GEMMs to sparse kernels.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,9 @@ from .. import masks
 from ..state import records
 from ..declare.annotate import _skip_reason, annotation_of, detach_recipe
 from .inspection import _effective
+from .calibrate import solve_one_shot
 from ..pattern import NMPattern
-from ..state.records import DEPLOYED, deployed_of, owners, state_of
+from ..state.records import DEPLOYED, deployed_of, owners
 from ..state.sharding import full
 
 __all__ = ["finalize", "FinalizeReport", "Deployed", "deployed_of", "deploy_report"]
@@ -125,7 +125,11 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             input tensors, of keyword dicts such as ``{"input_ids": ids, "use_cache": False}``, or of
             argument tuples; finalize runs the model on them itself), or a function of no arguments
             that runs the compiled model over them (eval, no grad). Without it, finalize solves from
-            the statistics gathered by the forwards run so far.
+            the statistics gathered by the forwards run so far. A recipe declared through compile
+            options, ``NMSPARSE_RECIPE`` or a region exists once a compiled forward has run: the
+            calibration's first run declares it (with batches, finalize compiles the model itself, so
+            compile options go in ``calibration_options``). On a model already finalized the
+            calibration is not run (a warning) and the same report comes back.
         sequential: solve one block (the weights under one numbered module, ``layers.3``) at a time,
             in the order the model runs them, each calibrated on the outputs of the blocks already
             pruned (SparseGPT's sequential form; needs ``calibration``). With batches it costs about
@@ -152,7 +156,7 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"finalize takes an nn.Module, got {type(model).__name__}")
     report = FinalizeReport()
-    solved = _solve_one_shot(model, calibration, sequential, report, calibration_options, progress)
+    solved = solve_one_shot(model, calibration, sequential, report, calibration_options, progress)
     loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
     broken: dict[str, str] = {}
@@ -239,109 +243,6 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             stacklevel=2,
         )
     return report
-
-
-def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, report: FinalizeReport,
-                    options: dict | None, progress) -> dict:
-    """``{name: Solved}`` of the one-shot weights (see :mod:`nmcompile.deploy.oneshot`)."""
-    from . import oneshot
-    from . import sequential as cached
-
-    batches = None
-    if calibration is not None and not callable(calibration):
-        if isinstance(calibration, (str, bytes, torch.Tensor)) or not isinstance(calibration, Iterable):
-            raise TypeError(f"finalize(calibration=...) takes a list of calibration batches or a function of no "
-                            f"arguments that runs the compiled model over them, got {type(calibration).__name__} "
-                            "(one batch: pass [batch])")
-        batches = list(calibration)
-        if not batches:
-            raise ValueError("finalize(calibration=[...]) got no batches: give at least one calibration batch")
-    if sequential and calibration is None:
-        raise ValueError("finalize(sequential=True) calibrates again before each block: pass calibration=batches "
-                         "(a list of input batches) or calibration=fn, a function of no arguments that runs the "
-                         "compiled model over the calibration batches")
-    if not oneshot.calibrated(model):
-        if calibration is not None:
-            done = any(deployed_of(*places[0][1:]) is not None for _, places in owners(model))
-            raise ValueError(
-                f"nmcompile.finalize: {type(model).__name__} is already finalized; calibration is for weights still "
-                "declared with a one-shot recipe" if done else
-                "finalize(calibration=...) is for one-shot recipes (wanda, sparsegpt), and no weight of "
-                f"{type(model).__name__} is declared with one (a recipe given through compile options, NMSPARSE_RECIPE "
-                "or a region is declared at the first compiled forward: run one batch first, or use nmcompile.annotate)")
-        return {}
-    sequential, report.calibration = _calibration_form(model, sequential, calibration is not None)
-
-    def run_batches():
-        # aot_eager by default: no Inductor compile of the whole model for a one-time run
-        compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", **(options or {})})
-        with torch.no_grad():
-            for batch in batches:
-                cached.run_batch(compiled, batch)
-
-    run = calibration if batches is None else run_batches
-    if sequential:
-        solved = None
-        if batches is not None:
-            try:
-                solved = cached.solve_cached(model, batches, options=options, progress=progress)
-                report.calibration += "; each block ran alone on its cached inputs"
-            except cached.Unchained as why:
-                report.calibration += f"; the model ran again before each block ({why})"
-        if solved is None:
-            solved = oneshot.solve_sequential(model, run, _ran_order(model, run, report))
-    else:
-        if run is not None:
-            run()
-        solved = oneshot.solve(model)
-    for name, result in solved.items():
-        if result.notes:
-            report.fallbacks[name] = result.notes
-    if report.fallbacks:
-        warnings.warn("nmcompile.finalize: one-shot weights solved otherwise than from their statistics:\n  "
-                      + "\n  ".join(note for notes in report.fallbacks.values() for note in notes), stacklevel=3)
-    return solved
-
-
-def _ran_order(model: nn.Module, run, report: FinalizeReport) -> list[list[str]]:
-    """The one-shot blocks in the order the model runs them (see :mod:`nmcompile.deploy.block_order`),
-    named in ``report.calibration`` where it is not registration order; blocks the first forward did
-    not run are warned about."""
-    from . import oneshot
-    from .block_order import block_module, run_order
-
-    groups = oneshot.blocks([name for name, _, _ in oneshot.calibrated(model)])
-    order, missing = run_order(model, groups, run)
-    names = [block_module(model, group)[0] or group[0] for group in order]
-    if order != groups:
-        report.calibration += f"; blocks solved in the order the model ran them: {', '.join(names)}"
-    if missing:
-        note = (f"{', '.join(missing)} did not run in the model's first forward over the calibration batches, so "
-                "the order they run in is not known: they are solved last, in registration order")
-        report.calibration += f"; {note}"
-        warnings.warn(f"nmcompile.finalize (sequential): {note}", stacklevel=4)
-    return order
-
-
-def _calibration_form(model: nn.Module, sequential: bool | None, calibrating: bool) -> tuple[bool, str]:
-    """``(sequential, why)``: as asked, or (``None``) sequential when one pass's statistics, held twice
-    (the one-pass graph copies them), would take more than half the memory available."""
-    from . import oneshot
-    from .sequential import available_bytes
-
-    if not calibrating:
-        return False, "from the statistics gathered before finalize"
-    if sequential is not None:
-        return sequential, ("sequential" if sequential else "one pass") + ", as asked"
-    stats = sum(t.numel() * t.element_size() for _, places, ann in oneshot.calibrated(model)
-                for t in state_of(places[0][1], places[0][2], ann)[:1])
-    # one pass holds every statistic at once, and its aot_eager graph a copy of each mutated buffer:
-    # Llama-3.2-1B shapes, 5.9 GB of statistics, peaked at 17.0 GB with the 2.5 GB model
-    need, have = 2 * stats, available_bytes()
-    gb = f"{stats / 1e9:.2f} GB of statistics, held twice; {have / 1e9:.1f} GB available"
-    if need > have / 2:
-        return True, f"sequential: one pass would hold every weight's statistics at once ({gb})"
-    return False, f"one pass: every weight's statistics fit ({gb})"
 
 
 def deploy_report(model: nn.Module) -> dict[str, object]:
