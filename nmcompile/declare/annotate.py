@@ -168,6 +168,10 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
         if (all(prefix + k in state_dict for k in ours) and not weight_after.is_meta
                 and not any(t is None or t.is_meta for t in state_after)):
             ann.pending = False
+        count_key = f"{weight_key}_nm_count"
+        if "count" in recipe.state_names and isinstance(state_dict.get(count_key), torch.Tensor):
+            # a checkpoint taken during a sequential finalize holds its pause (-1): read as 0 tokens
+            state_dict[count_key] = state_dict[count_key].clamp(min=0)
         mask_key = f"{weight_key}_nm_mask"
         if "mask" in recipe.state_names and mask_key in state_dict and mask_key[len(prefix):] in ours:
             mask = state_dict[mask_key]

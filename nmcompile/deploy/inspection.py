@@ -49,7 +49,7 @@ def _effective(model: nn.Module, problems: dict | None = None) -> Iterator[tuple
                     problem = ann.recipe.state_problem(full(param.detach()), *(full(t) for t in state), dim=ann.dim)
                     problem = problem or ann.averaged  # what the step driver found in a copy (an EMA)
                     if problem is not None:
-                        problems[name] = _state_message(problem, ann.buffer_names(pname))
+                        problems[name] = _state_message(problem, ann.buffer_names(pname), ann.recipe.calibrated)
                 if records.left_dense(ann) is not None:  # the graph's forward uses the dense weight
                     yield name, ann, full(param.detach())
                     continue
@@ -68,8 +68,14 @@ def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: weight for name, _, weight in _effective(model)}
 
 
-def _state_message(problem: str, buffers: tuple[str, ...]) -> str:
+def _state_message(problem: str, buffers: tuple[str, ...], calibrated: bool = False) -> str:
     """A recipe state problem, with its usual cause and the fix."""
+    if calibrated:  # one-shot statistics: a count below 0 pauses them
+        return (
+            f"{problem}: its calibration statistics ({', '.join(buffers)}) are paused (a sequential finalize pauses "
+            "the blocks it is not calibrating with a count of -1), so calibration adds nothing to them. Reset them "
+            "with nmcompile.deploy.oneshot.reset(model) and calibrate again"
+        )
     return (
         f"{problem}: its recipe state ({', '.join(buffers)}) was not written by "
         "nmcompile. Masks and step clocks must be copied, never averaged: "
