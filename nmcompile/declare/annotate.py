@@ -118,6 +118,7 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
         if pname not in module._parameters:
             continue
         ann.seen.set(None)  # the state now goes with the weight as loaded: the next look takes it
+        ann.copy_of, ann.averaged = None, None  # the checkpoint's state, not a copy's
         weight_key, recipe = prefix + pname, ann.recipe
         ours = dict(zip(ann.buffer_names(pname), recipe.state_names))
         theirs = [k for k in state_dict if k.startswith(f"{weight_key}_nm_") and k[len(prefix):] not in ours]
@@ -167,11 +168,26 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
         if (all(prefix + k in state_dict for k in ours) and not weight_after.is_meta
                 and not any(t is None or t.is_meta for t in state_after)):
             ann.pending = False
+        count_key = f"{weight_key}_nm_count"
+        if "count" in recipe.state_names and isinstance(state_dict.get(count_key), torch.Tensor):
+            # a checkpoint taken during a sequential finalize holds its pause (-1): read as 0 tokens
+            state_dict[count_key] = state_dict[count_key].clamp(min=0)
         mask_key = f"{weight_key}_nm_mask"
         if "mask" in recipe.state_names and mask_key in state_dict and mask_key[len(prefix):] in ours:
             mask = state_dict[mask_key]
             if mask.shape == module._parameters[pname].shape and not mask.is_meta:
-                bad, total = masks.count_violations(full(mask), recipe.n, recipe.m, ann.dim)
+                values = full(mask)
+                other = values[(values != 0) & (values != 1)]
+                if other.numel():  # a mask is 0/1: other values would scale the kept weights
+                    state_dict[mask_key] = module._buffers[mask_key[len(prefix):]]
+                    error_msgs.append(
+                        f"{mask_key} in the checkpoint holds values other than 0 and 1 ({other.numel()} of them, e.g. "
+                        f"{float(other.flatten()[0]):g}); a mask keeps or drops a weight, and those values would scale "
+                        "the kept weights. It was not loaded: save the mask as the model holds it (an averaged mask, "
+                        "from AveragedModel(use_buffers=True), is not one), or annotate after loading the weights"
+                    )
+                    continue
+                bad, total = masks.count_violations(values, recipe.n, recipe.m, ann.dim)
                 if bad:  # load_state_dict copies the rest before raising: keep this weight's valid mask
                     state_dict[mask_key] = module._buffers[mask_key[len(prefix):]]
                     error_msgs.append(

@@ -11,7 +11,6 @@ backend can rewrite its GEMMs to sparse kernels.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,9 @@ from .. import masks
 from ..state import records
 from ..declare.annotate import _skip_reason, annotation_of, detach_recipe
 from .inspection import _effective
+from .calibrate import solve_one_shot
 from ..pattern import NMPattern
-from ..state.records import DEPLOYED, deployed_of, owners, state_of
+from ..state.records import DEPLOYED, deployed_of, owners
 from ..state.sharding import full
 
 __all__ = ["finalize", "FinalizeReport", "Deployed", "deployed_of", "deploy_report"]
@@ -41,9 +41,13 @@ class Deployed:
     dim: int
     recipe: str
     change: float = 0.0  # relative L2 change of the forward weight that finalize(force=True) made
+    # why the compiled graph left the declared weight dense (it trained dense; finalize(force=True) pruned it)
+    trained_dense: str = ""
 
     def describe(self) -> str:
         how = f"trained with {self.recipe}" if self.recipe else "loaded N:M"
+        if self.trained_dense:
+            how = f"trained dense, pruned by magnitude at finalize: {self.trained_dense}"
         changed = f", changed by {self.change:.3g} (forced)" if self.change else ""
         return f"{self.pattern} along dim {self.dim} ({how}){changed}"
 
@@ -121,13 +125,19 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             input tensors, of keyword dicts such as ``{"input_ids": ids, "use_cache": False}``, or of
             argument tuples; finalize runs the model on them itself), or a function of no arguments
             that runs the compiled model over them (eval, no grad). Without it, finalize solves from
-            the statistics gathered by the forwards run so far.
+            the statistics gathered by the forwards run so far. A recipe declared through compile
+            options, ``NMSPARSE_RECIPE`` or a region exists once a compiled forward has run: the
+            calibration's first run declares it (with batches, finalize compiles the model itself, so
+            compile options go in ``calibration_options``). On a model already finalized the
+            calibration is not run (a warning) and the same report comes back.
         sequential: solve one block (the weights under one numbered module, ``layers.3``) at a time,
             in the order the model runs them, each calibrated on the outputs of the blocks already
             pruned (SparseGPT's sequential form; needs ``calibration``). With batches it costs about
             one forward pass: the first block's inputs are caught once and each block runs alone on
             them (:mod:`nmcompile.deploy.sequential`); with a function, or blocks that do not form a
-            chain, the model runs again before each block. ``None`` (the default): sequential when one
+            chain, the model runs again before each block, in the order the model runs its blocks (learnt
+            from one more call of the function, run eagerly and stopped after the model's first forward;
+            the order is named in ``report.calibration`` where it is not registration order). ``None`` (the default): sequential when one
             pass's statistics, held twice, would take more than half the memory available, else one pass; the
             choice and why are in ``report.calibration``.
         calibration_options: ``nmsparse`` backend options of the graphs finalize compiles for
@@ -150,18 +160,29 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"finalize takes an nn.Module, got {type(model).__name__}")
     report = FinalizeReport()
-    solved = _solve_one_shot(model, calibration, sequential, report, calibration_options, progress, compute_dtype)
+    solved = solve_one_shot(model, calibration, sequential, report, calibration_options, progress, compute_dtype)
     loaded = [] if pattern is None else _loaded(model, NMPattern.of(pattern), report)
     baked, problems, changed = [], [], []
     broken: dict[str, str] = {}
+    dense_trained: list[str] = []
     for name, ann, weight in _effective(model, broken):
         if name in broken:
             continue
         nm, dim = ann.recipe.pattern, ann.dim
         if name in solved:
             weight = solved[name].weight
+        why = None if ann.recipe.calibrated else records.left_dense(ann)
+        if why is not None and not force:
+            dense_trained.append(f"{name} ({ann.recipe}): {why}")
+            continue
         bad, total = masks.count_violations(weight, nm.n, nm.m, dim)
         change = 0.0
+        if why is not None:
+            pruned = masks.prune(weight, nm.n, nm.m, dim)
+            change = float((pruned - weight).float().norm() / weight.float().norm().clamp_min(1e-30))
+            changed.append(f"{name}: {change:.3g} (trained dense: the graph left it dense)")
+            baked.append((name, ann, pruned, Deployed(nm, dim, "", change, why)))
+            continue
         if bad:
             if not force:
                 problems.append(f"{name} ({ann.recipe}): {bad}/{total} groups are not {nm}; {_not_nm_hint(ann.recipe)}")
@@ -175,6 +196,15 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
         raise ValueError(
             "nmcompile.finalize: the recipe state of these layers is none their recipe makes, nothing was "
             "changed:\n  " + "\n  ".join(f"{name}: {why}" for name, why in broken.items())
+        )
+    if dense_trained:
+        raise ValueError(
+            "nmcompile.finalize: the compiled graph left these declared weights dense (the compile warning named "
+            "them), so they trained dense and their recipe's N:M weight is not what the model computes; nothing "
+            "was changed:\n  " + "\n  ".join(dense_trained)
+            + "\nUse each weight through F.linear, x @ W, addmm or a batched conv in the model and train again, or "
+            "call finalize(model, force=True) to prune them by magnitude (changes the function; recorded as trained "
+            "dense, not with the recipe)"
         )
     if problems:
         raise ValueError(
@@ -217,98 +247,6 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             stacklevel=2,
         )
     return report
-
-
-def _solve_one_shot(model: nn.Module, calibration, sequential: bool | None, report: FinalizeReport,
-                    options: dict | None, progress, asked_dtype: torch.dtype | None) -> dict:
-    """``{name: Solved}`` of the one-shot weights (see :mod:`nmcompile.deploy.oneshot`)."""
-    from . import oneshot
-    from . import sequential as cached
-    from .compute_dtype import compute_dtype, raised, stored_dtype, to_dtype
-
-    batches = None
-    if calibration is not None and not callable(calibration):
-        if isinstance(calibration, (str, bytes, torch.Tensor)) or not isinstance(calibration, Iterable):
-            raise TypeError(f"finalize(calibration=...) takes a list of calibration batches or a function of no "
-                            f"arguments that runs the compiled model over them, got {type(calibration).__name__} "
-                            "(one batch: pass [batch])")
-        batches = list(calibration)
-        if not batches:
-            raise ValueError("finalize(calibration=[...]) got no batches: give at least one calibration batch")
-    if sequential and calibration is None:
-        raise ValueError("finalize(sequential=True) calibrates again before each block: pass calibration=batches "
-                         "(a list of input batches) or calibration=fn, a function of no arguments that runs the "
-                         "compiled model over the calibration batches")
-    if not oneshot.calibrated(model):
-        if calibration is not None:
-            done = any(deployed_of(*places[0][1:]) is not None for _, places in owners(model))
-            raise ValueError(
-                f"nmcompile.finalize: {type(model).__name__} is already finalized; calibration is for weights still "
-                "declared with a one-shot recipe" if done else
-                "finalize(calibration=...) is for one-shot recipes (wanda, sparsegpt), and no weight of "
-                f"{type(model).__name__} is declared with one (a recipe given through compile options, NMSPARSE_RECIPE "
-                "or a region is declared at the first compiled forward: run one batch first, or use nmcompile.annotate)")
-        return {}
-    compute, why = compute_dtype(model, asked_dtype) if batches is not None else (stored_dtype(model), "")
-    sequential, report.calibration = _calibration_form(model, sequential, calibration is not None, compute)
-    if compute != stored_dtype(model):
-        report.calibration += f"; {why}"
-
-    def run_batches():
-        # aot_eager by default: no Inductor compile of the whole model for a one-time run
-        compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", **(options or {})})
-        with torch.no_grad(), raised(model, compute):
-            for batch in batches:
-                cached.run_batch(compiled, to_dtype(batch, compute))
-
-    run = calibration if batches is None else run_batches
-    if sequential:
-        solved = None
-        if batches is not None:
-            try:
-                solved = cached.solve_cached(model, batches, options=options, progress=progress, compute=compute)
-                report.calibration += "; each block ran alone on its cached inputs"
-            except cached.Unchained as why:
-                report.calibration += f"; the model ran again before each block ({why})"
-        if solved is None:
-            solved = oneshot.solve_sequential(model, run)
-    else:
-        if run is not None:
-            run()
-        solved = oneshot.solve(model)
-    for name, result in solved.items():
-        if result.notes:
-            report.fallbacks[name] = result.notes
-    if report.fallbacks:
-        warnings.warn("nmcompile.finalize: one-shot weights solved otherwise than from their statistics:\n  "
-                      + "\n  ".join(note for notes in report.fallbacks.values() for note in notes), stacklevel=3)
-    return solved
-
-
-def _calibration_form(model: nn.Module, sequential: bool | None, calibrating: bool,
-                      compute: torch.dtype) -> tuple[bool, str]:
-    """``(sequential, why)``: as asked, or (``None``) sequential when one pass's statistics, held twice
-    (the one-pass graph copies them), plus the model raised to its ``compute`` dtype where that is
-    wider than its own, would take more than half the memory available."""
-    from . import oneshot
-    from .sequential import available_bytes
-
-    if not calibrating:
-        return False, "from the statistics gathered before finalize"
-    if sequential is not None:
-        return sequential, ("sequential" if sequential else "one pass") + ", as asked"
-    stats = sum(t.numel() * t.element_size() for _, places, ann in oneshot.calibrated(model)
-                for t in state_of(places[0][1], places[0][2], ann)[:1])
-    # one pass holds every statistic at once, and its aot_eager graph a copy of each mutated buffer:
-    # Llama-3.2-1B shapes, 5.9 GB of statistics, peaked at 17.0 GB with the 2.5 GB model
-    raised = sum(p.numel() * compute.itemsize for p in model.parameters()
-                 if p.is_floating_point() and p.dtype != compute)
-    need, have = 2 * stats + raised, available_bytes()
-    gb = (f"{stats / 1e9:.2f} GB of statistics, held twice" + (f", and the model in {str(compute)[6:]} "
-          f"({raised / 1e9:.2f} GB)" if raised else "") + f"; {have / 1e9:.1f} GB available")
-    if need > have / 2:
-        return True, f"sequential: one pass would hold every weight's statistics at once ({gb})"
-    return False, f"one pass: every weight's statistics fit ({gb})"
 
 
 def deploy_report(model: nn.Module) -> dict[str, object]:

@@ -47,8 +47,12 @@ def _effective(model: nn.Module, problems: dict | None = None) -> Iterator[tuple
                     )
                 if problems is not None:
                     problem = ann.recipe.state_problem(full(param.detach()), *(full(t) for t in state), dim=ann.dim)
+                    problem = problem or ann.averaged  # what the step driver found in a copy (an EMA)
                     if problem is not None:
-                        problems[name] = _state_message(problem, ann.buffer_names(pname))
+                        problems[name] = _state_message(problem, ann.buffer_names(pname), ann.recipe.calibrated)
+                if records.left_dense(ann) is not None:  # the graph's forward uses the dense weight
+                    yield name, ann, full(param.detach())
+                    continue
                 yield name, ann, ann.recipe.project(full(param.detach()), *state, dim=ann.dim)
 
 
@@ -57,13 +61,21 @@ def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
     A pure function of the weights and the recipe state (e.g. ``beta * S(W)`` for S-STE). Weights
     annotated through backend options, ``NMSPARSE_RECIPE`` or a region appear once the compiled
-    model has run.
+    model has run. A declared weight that the compiled graph left dense (used through ``einsum``,
+    ``x @ W.t()``, along two reduction dims: the compile warning names it) is its dense parameter,
+    which is what that graph's forward uses; :func:`check` names it.
     """
     return {name: weight for name, _, weight in _effective(model)}
 
 
-def _state_message(problem: str, buffers: tuple[str, ...]) -> str:
+def _state_message(problem: str, buffers: tuple[str, ...], calibrated: bool = False) -> str:
     """A recipe state problem, with its usual cause and the fix."""
+    if calibrated:  # one-shot statistics: a count below 0 pauses them
+        return (
+            f"{problem}: its calibration statistics ({', '.join(buffers)}) are paused (a sequential finalize pauses "
+            "the blocks it is not calibrating with a count of -1), so calibration adds nothing to them. Reset them "
+            "with nmcompile.deploy.oneshot.reset(model) and calibrate again"
+        )
     return (
         f"{problem}: its recipe state ({', '.join(buffers)}) was not written by "
         "nmcompile. Masks and step clocks must be copied, never averaged: "
@@ -75,6 +87,14 @@ def _state_message(problem: str, buffers: tuple[str, ...]) -> str:
 
 _UNSOLVED = ("{recipe} is not solved yet (the weight stays dense while calibrating): run calibration batches "
              "through the model compiled with backend='nmsparse', then nmcompile.finalize(model)")
+
+
+def _left_dense(ann: WeightAnnotation) -> str:
+    why = records.left_dense(ann)
+    if why is None:
+        return ""
+    return (f"declared {ann.recipe}, but the nmsparse graph left it dense, so it trains dense and its forward uses "
+            f"the dense weight: {why}")
 
 
 def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None, only=None) -> CheckReport:
@@ -111,7 +131,8 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None
         problems: dict[str, str] = {}
         for name, ann, weight in _effective(obj, problems):
             if selects(report, name, only):
-                problem = problems.get(name) or (_UNSOLVED.format(recipe=ann.recipe) if ann.recipe.calibrated else "")
+                problem = (_left_dense(ann) or problems.get(name)
+                           or (_UNSOLVED.format(recipe=ann.recipe) if ann.recipe.calibrated else ""))
                 check_one(report, name, weight, pattern or ann.recipe.pattern, ann.dim, problem)
         for name, places in owners(obj):
             _, module, pname = places[0]

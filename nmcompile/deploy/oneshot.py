@@ -193,8 +193,11 @@ def reset(model: nn.Module, names=None) -> None:
         release(*stats)
 
 
-def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
+def solve_sequential(model: nn.Module, calibration, groups: list[list[str]] | None = None) -> dict[str, Solved]:
     """Solve block by block, calibrating each block on the outputs of the blocks already pruned.
+
+    ``groups``: the blocks (:func:`blocks`) in the order to solve them, which should be the order the
+    model runs them (:func:`nmcompile.deploy.block_order.run_order`); default: registration order.
 
     ``calibration()`` runs the compiled model over the calibration batches; it is called once per
     block, with every other weight's count set to -1, which pauses its statistics (the op neither
@@ -207,7 +210,7 @@ def solve_sequential(model: nn.Module, calibration) -> dict[str, Solved]:
     items = {name: (places, ann) for name, places, ann in calibrated(model)}
     counts = {name: state_of(places[0][1], places[0][2], ann)[1] for name, (places, ann) in items.items()}
     solved: dict[str, Solved] = {}
-    groups = blocks(list(items))
+    groups = blocks(list(items)) if groups is None else groups
     written: list[str] = []
     reset(model)  # earlier statistics would not be used: give their memory back first
     try:

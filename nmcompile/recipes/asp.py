@@ -44,7 +44,11 @@ class ASP(Recipe):
         kept = (mask != 0).to(torch.uint8)
         over, _ = masks.count_violations(kept, self.n, self.m, dim)  # more than N kept in a group
         under, _ = masks.count_violations(1 - kept, self.m - self.n, self.m, dim)  # fewer than N
-        if bool(((mask != 0) & (mask != 1)).any()) or over or under:
+        other = mask[(mask != 0) & (mask != 1)]
+        if other.numel():
+            return (f"its stored mask holds values other than 0 and 1 ({other.numel()} of them, e.g. "
+                    f"{float(other.flatten()[0]):g}), which scale the kept weights")
+        if over or under:
             density = float((mask != 0).float().mean())
             return f"its stored mask is not a {self.n}:{self.m} mask (density {density:.2f}, expected {self.n / self.m:.2f})"
         return None

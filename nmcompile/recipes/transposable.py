@@ -92,7 +92,11 @@ class Transposable(Recipe):
     def state_problem(self, weight, step, mask, dim):
         tiles = mask.movedim(tuple(range(mask.dim() - 2)), tuple(range(2 - mask.dim(), 0))) \
             if is_stacked(mask.dim(), dim) else mask
-        if bool(((mask != 0) & (mask != 1)).any()) or not masks.is_transposable(tiles, self.n, self.m):
+        other = mask[(mask != 0) & (mask != 1)]
+        if other.numel():
+            return (f"its stored mask holds values other than 0 and 1 ({other.numel()} of them, e.g. "
+                    f"{float(other.flatten()[0]):g}), which scale the kept weights")
+        if not masks.is_transposable(tiles, self.n, self.m):
             density = float((mask != 0).float().mean())
             return (f"its stored mask is not a transposable {self.n}:{self.m} mask (density {density:.2f}, "
                     f"expected {self.n / self.m:.2f})")

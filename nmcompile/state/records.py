@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the records sit below the recipes: the type alone, for read
 
 __all__ = ["RECIPES", "DEPLOYED", "table", "get", "put", "drop", "owners", "root", "WeightAnnotation",
            "annotation_of", "deployed_of", "state_of", "state_dict_of", "Seen", "replaced", "refresh", "refresh_if_replaced",
-           "state_shape_differs", "parametrized_reason"]
+           "state_shape_differs", "parametrized_reason", "left_dense", "unpause"]
 
 RECIPES = "_nmcompile_recipes"  # {parameter attribute: WeightAnnotation}
 DEPLOYED = "_nmcompile_deployed"  # {parameter attribute: Deployed}
@@ -124,23 +124,46 @@ class WeightAnnotation:
     stale: bool = field(default=False, compare=False)  # the weight was replaced; its state was not recomputed
     # why the backend left it dense, once it said so (the step driver does not name it again)
     named: str | None = field(default=None, compare=False)
+    # a copy's record (copy.deepcopy, e.g. an EMA): the record it was copied from, looked at a few times by
+    # the step driver to find state averaged instead of copied (see nmcompile.training.copy_checks)
+    copy_of: object = field(default=None, compare=False, repr=False)
+    # what the step driver found averaged in this copy's recipe state (read by check and finalize)
+    averaged: str | None = field(default=None, compare=False)
+    # a copied or unpickled one-shot record: its token counts may hold a sequential finalize's pause (-1),
+    # which the first look at its state clears (see state_of)
+    copied: bool = field(default=False, compare=False)
 
     __hash__ = None  # mutable (pending); compare by (recipe, dim)
 
     def __deepcopy__(self, memo) -> WeightAnnotation:
         """A copy whose module (a ``copy.deepcopy`` of the model) the step driver watches as it does
-        the original's: a copied model counts its steps and is named when it trains dense."""
+        the original's: a copied model counts its steps and is named when it trains dense (no graph
+        has run the copy's weights yet, whatever ran the original's)."""
         copied = copy.copy(self)
         memo[id(self)] = copied
         for key, value in self.__dict__.items():
             copied.__dict__[key] = copy.deepcopy(value, memo)
+        copied.consumed = False  # no graph has run the copy yet: trained eagerly, it is named at its step
+        copied.copy_of = None  # the driver links it to this record (adopt_copy)
+        copied.copied = self.recipe.calibrated
         adopt = getattr(copied.driver, "adopt_copy", None)
         if adopt is not None:
             adopt(self, memo)
         return copied
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled: a one-shot record's counts may hold a pause (see :func:`state_of`)."""
+        self.__dict__.update(state)
+        self.copied = self.recipe.calibrated
+
     def buffer_names(self, param_name: str) -> tuple[str, ...]:
         return tuple(f"{param_name}_nm_{key}" for key in self.recipe.state_names)
+
+
+def left_dense(ann: WeightAnnotation) -> str | None:
+    """Why a compiled graph left the declared weight dense (it trains dense and its forward uses the
+    dense weight), when no ``nmsparse`` graph has run it rewritten; else None."""
+    return ann.named if ann.named is not None and not ann.consumed else None
 
 
 def annotation_of(module: nn.Module, param_name: str) -> WeightAnnotation | None:
@@ -160,7 +183,24 @@ def state_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> tuple
     if ann.pending:
         settle(module, param_name, ann)
     buffers = module._buffers
-    return tuple(buffers[name] for name in ann.buffer_names(param_name))
+    state = tuple(buffers[name] for name in ann.buffer_names(param_name))
+    if ann.copied and not ann.pending:
+        unpause(ann, state)
+    return state
+
+
+def unpause(ann: WeightAnnotation, state: tuple[torch.Tensor, ...]) -> None:
+    """Clear a pause (a token count of -1) a copy or checkpoint took during a sequential finalize.
+
+    A sequential solve pauses the statistics of the blocks it is not calibrating by setting their
+    counts to -1, and sets them back to 0 when it ends; a copy taken in between keeps the -1, which
+    would make its calibration add nothing. A negative count is nothing else, so it is read as 0.
+    """
+    count = state[ann.recipe.state_names.index("count")] if "count" in ann.recipe.state_names else None
+    if count is not None and not count.is_meta:
+        with torch.no_grad(), torch.inference_mode(False):
+            count.clamp_(min=0)
+    ann.copied = False
 
 
 def state_dict_of(module: nn.Module, param_name: str, ann: WeightAnnotation) -> dict[str, torch.Tensor]:

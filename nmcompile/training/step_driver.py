@@ -42,6 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..state import records
 from ..state.records import WeightAnnotation, state_dict_of
 from ..state.clock import StepMirror
+from .copy_checks import CopySource, look_at_copy, warn_if_averaged
 from .step_checks import raise_if_not_finite, warn_if_never_compiled, warn_if_parametrized
 from .step_closures import closure_first
 
@@ -83,6 +84,7 @@ class _PerOptimizer:
         self.tracked: dict[tuple, Tracked] = {}  # (id(module), param name, id(record)) -> Tracked
         self.groups: dict = {}  # recipe -> [Tracked] of the step in progress
         self.used: set = set()  # ids of the weights an nmsparse graph has used (see StepDriver._groups)
+        self.averaged: list[str] = []  # copies' recipe state found averaged at this step (see copy_checks)
         self.mask_fns: dict = {}
 
 
@@ -180,6 +182,9 @@ class StepDriver:
         held = holders.get(id(ann))
         if held is not None and id(held[0]) in memo:
             self.watch_module(memo[id(held[0])], held[1], held[2])
+            copied = memo.get(id(ann))
+            if copied is not None:
+                copied.copy_of = CopySource(held[0], held[1])
 
     def _groups(self, optimizer, per: _PerOptimizer, every_weight: bool) -> dict:
         """``{recipe: [Tracked]}`` of the weights this step has work for: those with a schedule, those
@@ -189,6 +194,7 @@ class StepDriver:
         groups: dict = {}
         tracked = {}
         used = per.used = set()  # ids of the weights some nmsparse graph has used (tied holders share one)
+        per.averaged = []
         for module, names in list(self.watched.items()):
             for pname, ann in list(records.table(module, records.RECIPES).items()):
                 param = module._parameters.get(pname)
@@ -201,7 +207,10 @@ class StepDriver:
                 if not (every_weight or ann.recipe.clocked or not ann.consumed):
                     continue
                 if id(param) not in in_optimizer:
+                    if ann.copy_of is not None:  # a copy no optimizer steps (an EMA): a few looks at its state
+                        look_at_copy(module, pname, ann, names.get(pname, pname), per.averaged)
                     continue
+                ann.copy_of = None  # a copy an optimizer steps trains on its own: its state is its own
                 key = (id(module), pname, id(ann))
                 w = per.tracked.get(key) or Tracked(names.get(pname, pname), module, pname, ann)
                 w.state = state_dict_of(module, pname, ann)
@@ -232,6 +241,7 @@ class StepDriver:
             if checks:
                 raise_if_not_finite(per.groups, per.steps + 1)
             warn_if_never_compiled(per.groups, per.used)
+            warn_if_averaged(per.averaged)
             self._plan_dense(optimizer)
             for recipe, weights in per.groups.items():
                 recipe.before_step(weights, optimizer)

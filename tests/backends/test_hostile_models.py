@@ -86,6 +86,23 @@ def test_mask_saved_with_another_pattern_is_a_named_error():
     assert torch.equal(target.fc2.weight_nm_mask, before["fc2.weight_nm_mask"])
 
 
+@pytest.mark.parametrize("spec", ["asp:2:4,permute=False", "transposable:2:4,every=1"])
+def test_a_mask_with_values_other_than_0_and_1_is_refused_at_load_and_named_by_check(spec):
+    model = MLP(0)
+    nmcompile.annotate(model, spec, include=["fc2"])
+    before = model.fc2.weight_nm_mask.clone()
+    scaled = model.state_dict()
+    scaled["fc2.weight_nm_mask"] = scaled["fc2.weight_nm_mask"].float() * 3.0  # kept weights would be 3x
+    with pytest.raises(RuntimeError, match=r"fc2\.weight_nm_mask in the checkpoint holds values other than 0 and 1 "
+                                           r"\(\d+ of them, e\.g\. 3\)"):
+        model.load_state_dict(scaled)
+    assert torch.equal(model.fc2.weight_nm_mask, before)  # the valid mask is kept
+    with torch.no_grad():
+        model.fc2.weight_nm_mask.mul_(3)  # written in place, past the load check
+    report = nmcompile.check(model)
+    assert not report.ok and "holds values other than 0 and 1" in report["fc2.weight"].problem
+
+
 @pytest.mark.parametrize("spec", ["sr_ste:2:4", "transposable:2:4,every=1", "step:2:4,total_steps=4"])
 def test_layer_frozen_after_annotation_keeps_its_mask_and_weights(spec):
     model = MLP()

@@ -6,6 +6,8 @@ warning, never a silent dense or NaN weight.
 
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 
 import pytest
@@ -208,6 +210,57 @@ def test_a_failing_sequential_calibration_leaves_no_count_paused():
     assert [int(layer.weight_nm_count) for layer in model.layers] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("taken", ["deepcopy", "torch.save(model)", "state_dict"])
+def test_a_copy_taken_during_a_sequential_pass_calibrates_every_weight_later(taken):
+    model = Stack().eval()
+    nmcompile.annotate(model, "wanda:2:4")
+    compiled = torch.compile(model, backend="nmsparse", options=AOT)
+    batches = [torch.randn(30, 16) for _ in range(2)]
+    snapshot = {}
+
+    def calibration():
+        with torch.no_grad():
+            for x in batches:
+                compiled(x)
+        if not snapshot and int(model.layers[1].weight_nm_count) < 0:  # a checkpoint callback mid-pass
+            if taken == "deepcopy":
+                snapshot["model"] = copy.deepcopy(model)
+            elif taken == "torch.save(model)":
+                buf = io.BytesIO()
+                torch.save(model, buf)
+                snapshot["model"] = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+            else:
+                snapshot["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    nmcompile.finalize(model, calibration=calibration, sequential=True)
+    if taken == "state_dict":
+        assert int(snapshot["state"]["layers.2.weight_nm_count"]) == -1  # the pause, as saved
+        copied = Stack().eval()
+        nmcompile.annotate(copied, "wanda:2:4")
+        copied.load_state_dict(snapshot["state"])
+    else:
+        copied = snapshot["model"]
+    assert nmcompile.check(copied).skipped == {} and "paused" not in str(nmcompile.check(copied))
+    torch._dynamo.reset()
+    again = torch.compile(copied, backend="nmsparse", options=AOT)
+    with torch.no_grad():
+        for x in batches:
+            again(x)
+    assert all(int(layer.weight_nm_count) > 0 for layer in copied.layers)  # every weight gathered
+    nmcompile.finalize(copied)
+    assert nmcompile.check(copied).ok
+
+
+def test_a_negative_count_is_named_as_a_pause_with_the_fix():
+    model = Stack().eval()
+    nmcompile.annotate(model, "wanda:2:4")
+    with torch.no_grad():
+        model.layers[1].weight_nm_count.fill_(-1)
+    text = str(nmcompile.check(model))
+    assert "layers.1.weight" in text and "are paused" in text and "oneshot.reset(model)" in text
+    assert "AveragedModel" not in text
+
+
 def test_a_one_shot_model_fine_tunes_with_asp_keeping_its_zeros():
     model = calibrated("sparsegpt:2:4")
     nmcompile.finalize(model)
@@ -335,7 +388,8 @@ def test_sequential_under_inductor_touches_one_block_of_statistics_at_a_time():
                 storage.resize_(size)
 
     nmcompile.finalize(model, calibration=calibration, sequential=True)
-    assert active == [[0], [1], [2], [3]]
+    # the first call runs eagerly, up to the end of the model's first forward: the order the blocks run in
+    assert active == [[0, 1, 2, 3], [0], [1], [2], [3]]
     x = torch.cat(batches)
     for k, layer in enumerate(model.layers):  # each block solved on the pruned blocks' outputs, as before
         want = ref.sparsegpt(dense[k], x, 2, 4)[0]

@@ -114,6 +114,59 @@ def test_cached_blocks_match_rerunning_the_model_before_each_block():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("recipe", ["sparsegpt:2:4,blocksize=8", "wanda:2:4"])
+def test_rerunning_the_model_solves_the_blocks_in_the_order_they_run_and_names_it(recipe):
+    torch.manual_seed(6)
+    model = Chained(order=[2, 0, 1]).eval()
+    want = reference(model, batches(), recipe)
+    nmcompile.annotate(model, recipe)
+    compiled = torch.compile(model, backend="nmsparse", options=AOT)
+    passes = []
+
+    def calibration():
+        with torch.no_grad():
+            for b in batches():
+                compiled(b)
+        passes.append([int(block.fc1.weight_nm_count) for block in model.layers])
+
+    report = nmcompile.finalize(model, calibration=calibration, sequential=True)
+    assert passes == [[-1, -1, 120], [120, -1, -1], [-1, 120, -1]]  # layers.2 first: it runs first
+    assert "blocks solved in the order the model ran them: layers.2, layers.0, layers.1" in report.calibration
+    for (name, got), theirs in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(got, theirs, rtol=1e-4, atol=1e-4, msg=name)
+
+
+class Skipping(nn.Module):
+    """Runs layers.1 only when asked to: the first forward of the calibration does not reach it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x, every=False):
+        for k in (2, 1, 0) if every else (2, 0):
+            x = torch.tanh(self.layers[k](x))
+        return x
+
+
+def test_a_block_the_first_forward_does_not_run_is_solved_last_and_named():
+    torch.manual_seed(7)
+    model = Skipping().eval()
+    nmcompile.annotate(model, "wanda:2:4")
+    compiled = torch.compile(model, backend="nmsparse", options=AOT)
+    data = [torch.randn(20, 16) for _ in range(2)]
+
+    def calibration():
+        with torch.no_grad():
+            compiled(data[0])
+            compiled(data[1], every=True)
+
+    with pytest.warns(UserWarning, match=r"layers.1 did not run in the model's first forward.*solved last"):
+        report = nmcompile.finalize(model, calibration=calibration, sequential=True)
+    assert "the order the model ran them: layers.2, layers.0, layers.1" in report.calibration
+    assert nmcompile.check(model).ok
+
+
 class Unchained(nn.Module):
     """The activation sits between the blocks: a block's input is not the block before it's output."""
 

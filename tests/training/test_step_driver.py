@@ -35,6 +35,26 @@ def test_an_eager_deepcopy_is_counted_and_named_like_its_original():
     assert int(model[0].weight_nm_step) == 0  # the original was not stepped
 
 
+def test_a_copy_of_a_compiled_model_trained_eagerly_is_named():
+    model = mlp()
+    nmcompile.annotate(model, "sr_ste:2:4")
+    compiled = torch.compile(model, backend="nmsparse", options=AOT)
+    x, y = batch()
+    ((compiled(x) - y) ** 2).mean().backward()  # a graph has used the original's weights
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(twin.parameters(), lr=1e-2)
+    ((twin(x) - y) ** 2).mean().backward()  # eager: the copy trains dense
+    with pytest.warns(UserWarning, match=r"0\.weight.*declared but no.*trains them dense"):
+        opt.step()
+    # compiled, the copy is sparse-trained and nothing is named
+    twin_compiled = torch.compile(twin, backend="nmsparse", options=AOT)
+    opt.zero_grad()
+    ((twin_compiled(x) - y) ** 2).mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
 def test_hook_optimizer_refuses_an_optimizer_of_another_model():
     model_a, model_b = mlp(0), mlp(1)
     nmcompile.annotate(model_a, "transposable:2:4,every=1")
