@@ -42,10 +42,21 @@ def _range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, meas
     return max_tokens, measured.ratios, provenance(measured)
 
 
-def _set(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision) -> None:
+#: the attribute of a packed-only parameter that keeps whether the dense weight it replaced was
+#: trainable, for :func:`unpack_weights` (the packed one never is: it takes no gradient)
+TRAINABLE_ATTR = "_nmcompile_requires_grad"
+
+
+def _set(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision, trainable: bool = True) -> None:
     param = nn.Parameter(weight, requires_grad=False)
     setattr(param, DECISION_ATTR, decision)
+    setattr(param, TRAINABLE_ATTR, bool(trainable))
     module._parameters[pname] = param
+
+
+def _trainable(param: torch.Tensor) -> bool:
+    """Whether the dense weight ``param`` stands for is trainable (a packed one keeps it in :data:`TRAINABLE_ATTR`)."""
+    return bool(getattr(param, TRAINABLE_ATTR, param.requires_grad))
 
 
 def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decision]:
@@ -96,7 +107,7 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
         decision = Decision("cpu24", reason, max_tokens=max_tokens, isa=isa, ratios=ratios,
                             speedup=ratios[0][1] if ratios else None)
         for _, holder, attr in places:
-            _set(holder, attr, tensor, decision)
+            _set(holder, attr, tensor, decision, param.requires_grad)
         out[name] = decision
     if not out:
         raise ValueError(
@@ -107,12 +118,14 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
 
 
 def unpack_weights(model: nn.Module) -> list[str]:
-    """Give every packed-only weight its dense parameter back (a new tensor each); the names."""
+    """Give every packed-only weight its dense parameter back (a new tensor each); the names. Each is
+    trainable as the weight it replaced was (``requires_grad``: a model's own weights, a loaded
+    checkpoint's too, are; one frozen before :func:`pack_weights` stays frozen)."""
     done = []
     for name, places in owners(model):
         param = places[0][1]._parameters[places[0][2]]
         if isinstance(param, PackedLinearWeight):
-            dense = nn.Parameter(param.dense().contiguous(), requires_grad=False)
+            dense = nn.Parameter(param.dense().contiguous(), requires_grad=getattr(param, TRAINABLE_ATTR, True))
             for _, holder, attr in places:
                 holder._parameters[attr] = dense
             done.append(name)
@@ -168,7 +181,7 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
         if transposed:
             weight = weight._with(transposed=True)
         _set(module, pname, weight, Decision("cpu24", "packed only, loaded (every token count, not timed)",
-                                             isa=weight.isa))
+                                             isa=weight.isa), _trainable(param))
         records.put(module, DEPLOYED, pname, _deployed(0 if transposed else 1))
     missing_packed = [k for k in model.state_dict() if k not in plain and k + META_SUFFIX not in state]
     result = model.load_state_dict(plain, strict=False, assign=True)

@@ -1,0 +1,44 @@
+"""Packed-only 2:4 weights under what users do to models: fine-tune after unpacking, inference mode,
+``.data`` assignment, deepcopy, pickling, shared memory, dtype casts, and damaged packed state dicts.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import nmcompile
+from nmcompile.deploy import PackedLinearWeight, pack_weights, unpack_weights
+from nmcompile.kernels import cpu24
+
+pytestmark = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
+
+
+def build():
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48), nn.Linear(48, 10))
+
+
+def finalized(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = build()
+    nmcompile.annotate(model, "sr_ste:2:4", exclude=["3.*"])  # the head stays dense
+    nmcompile.finalize(model)
+    return model.to(dtype).eval()
+
+
+def packed(dtype=torch.float32):
+    model = finalized(dtype)
+    pack_weights(model, measure=False)
+    return model
+
+
+def test_unpacked_weights_train_as_before_packing():
+    model = finalized()
+    model[2].weight.requires_grad_(False)  # frozen by the user: stays frozen
+    pack_weights(model, measure=False)
+    unpack_weights(model)
+    assert model[0].weight.requires_grad and not model[2].weight.requires_grad
+    before = model[0].weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).square().sum().backward()
+    optimizer.step()
+    assert not torch.equal(model[0].weight, before)
