@@ -5,7 +5,8 @@ parameter of its module, as FSDP2's DTensor does): it has the weight's shape and
 only the kernel's ``values`` and position ``bits`` (:func:`nmcompile.kernels.cpu24.cpu_layout`,
 53% of the dense bytes in fp32, 56% in bf16/fp16, plus at most 7 padding rows). What reads it:
 
-- ``F.linear`` (eager, ``torch.compile``, ``torch.export``): the product ``x @ W.t()`` runs on
+- ``F.linear`` (eager, ``torch.compile``, ``torch.export``; under ``torch.no_grad`` or
+  ``torch.inference_mode``, where ``F.linear`` and ``matmul`` arrive whole): the product ``x @ W.t()`` runs on
   ``nmsparse::cpu24_linear`` with the layer's measured range (``max_tokens``; calls above it take
   the dense GEMM on the weight unpacked for that call);
 - any other op (``check``, arithmetic, printing): computed on the dense weight, unpacked for that
@@ -82,9 +83,18 @@ class PackedLinearWeight(Tensor):
         return w.t() if self.transposed else w
 
     def _with(self, values=None, bits=None, transposed=None) -> "PackedLinearWeight":
-        return PackedLinearWeight(
-            self.values if values is None else values, self.bits if bits is None else bits, self.weight_shape,
-            self.max_tokens, self.isa, self.transposed if transposed is None else transposed,
+        # an inference tensor only where this one is: a view (t, detach) of a weight made outside
+        # torch.inference_mode is a normal tensor whose version counter PyTorch sets to the weight's
+        with torch.inference_mode(self.is_inference()):
+            return PackedLinearWeight(
+                self.values if values is None else values, self.bits if bits is None else bits, self.weight_shape,
+                self.max_tokens, self.isa, self.transposed if transposed is None else transposed,
+            )
+
+    def _linear(self, x: Tensor, bias) -> Tensor:
+        """``F.linear(x, W, bias)`` on the kernel, ``W`` the ``[out, in]`` weight this holds."""
+        return torch.ops.nmsparse.cpu24_linear(
+            x, self.values, self.bits, bias, None, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
         )
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -100,9 +110,19 @@ class PackedLinearWeight(Tensor):
             bias, x, w = (None, *args[:2]) if func is aten.mm.default else args[:3]
             if isinstance(w, PackedLinearWeight) and w.transposed and not isinstance(x, PackedLinearWeight) \
                     and (bias is None or (bias.dim() == 1 and not kwargs)):
-                return torch.ops.nmsparse.cpu24_linear(
-                    x, w.values, w.bits, bias, None, w.weight_shape[0], w.max_tokens, w.isa or "avx2"
-                )
+                return w._linear(x, bias)
+        # under torch.inference_mode the composite ops arrive whole (no autograd key decomposes them)
+        if func is aten.linear.default:
+            x, w, bias = (*args, None)[:3] if len(args) < 3 else args[:3]
+            bias = kwargs.get("bias", bias)
+            if isinstance(w, PackedLinearWeight) and not w.transposed and not isinstance(x, PackedLinearWeight) \
+                    and not isinstance(bias, PackedLinearWeight) and x.dim() >= 1:
+                return w._linear(x, bias)
+        if func is aten.matmul.default and not kwargs:
+            x, w = args[:2]
+            if isinstance(w, PackedLinearWeight) and w.transposed and not isinstance(x, PackedLinearWeight) \
+                    and x.dim() >= 2:
+                return w._linear(x, None)
         if func is aten._to_copy.default and set(kwargs) <= {"dtype"} and kwargs.get("dtype") in cpu24.DTYPES:
             w = args[0]
             return w._with(values=w.values.to(kwargs["dtype"]))

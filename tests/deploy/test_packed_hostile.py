@@ -42,3 +42,28 @@ def test_unpacked_weights_train_as_before_packing():
     model(torch.randn(4, 64)).square().sum().backward()
     optimizer.step()
     assert not torch.equal(model[0].weight, before)
+
+
+def kernel_calls(fn):
+    """``(result, {op: calls})`` of the 2:4 CPU ops ``fn()`` ran (the kernel, or the unpacking fallback)."""
+    with torch.profiler.profile() as prof:
+        result = fn()
+    return result, {e.key: e.count for e in prof.key_averages() if e.key.startswith("nmsparse::cpu24")}
+
+
+def test_inference_mode_runs_the_kernel_as_no_grad_does():
+    model = packed()
+    x = torch.randn(3, 64)
+    weight = model[0].weight
+    with torch.no_grad():
+        expected, expected_calls = kernel_calls(lambda: model(x))
+        product = x @ weight.t()
+    with torch.inference_mode():
+        out, calls = kernel_calls(lambda: model(x))
+        (transposed, detached), more = kernel_calls(lambda: (x @ weight.t(), torch.matmul(x, weight.detach().t())))
+        vector, _ = kernel_calls(lambda: model[0](x[0]))
+    assert calls == expected_calls == {"nmsparse::cpu24_linear": 2}  # never unpacked
+    assert more == {"nmsparse::cpu24_linear": 2}
+    assert torch.equal(out, expected) and torch.equal(transposed, product) and torch.equal(detached, product)
+    with torch.no_grad():
+        torch.testing.assert_close(vector, model[0](x[:1])[0])
