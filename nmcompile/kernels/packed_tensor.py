@@ -14,7 +14,8 @@ only the kernel's ``values`` and position ``bits`` (:func:`nmcompile.kernels.cpu
 - ``nmcompile.deploy.pack_state_dict`` writes its packed values and metadata without unpacking.
 
 It is traceable (``__tensor_flatten__``): Dynamo, AOTAutograd and ``torch.export`` see the two
-inner tensors. Read-only: in-place ops and gradients are refused with what to do instead.
+inner tensors. Read-only: in-place ops, ``.data`` assignment and gradients are refused with what to
+do instead.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ class PackedLinearWeight(Tensor):
 
     def __reduce_ex__(self, protocol):  # torch.save of a model or state dict holding it
         return _rebuild, (self.values, self.bits, self.weight_shape, self.max_tokens, self.isa, self.transposed)
+
+    @property
+    def data(self) -> Tensor:
+        return torch._C.TensorBase.data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, new) -> None:  # PyTorch's setter would swap the storage and leave values and bits as they were
+        raise RuntimeError(
+            f"assigning .data of a packed 2:4 weight {list(self.weight_shape)} would be ignored: it holds only its kept "
+            "values, which .data does not reach; unpack the model first (nmcompile.deploy.unpack_weights(model)), set "
+            "the weight, then nmcompile.deploy.pack_weights(model) again"
+        )
 
     @property
     def nbytes_packed(self) -> int:

@@ -67,3 +67,18 @@ def test_inference_mode_runs_the_kernel_as_no_grad_does():
     assert torch.equal(out, expected) and torch.equal(transposed, product) and torch.equal(detached, product)
     with torch.no_grad():
         torch.testing.assert_close(vector, model[0](x[:1])[0])
+
+
+def test_assigning_data_of_a_packed_weight_is_refused_not_ignored():
+    model = packed()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        before = model(x)
+    with pytest.raises(RuntimeError, match=r"\.data of a packed 2:4 weight \[128, 64\] would be ignored.*unpack_weights"):
+        model[0].weight.data = torch.zeros(128, 64)
+    vector = torch.nn.utils.parameters_to_vector(model.parameters())
+    with pytest.raises(RuntimeError, match="would be ignored"):
+        torch.nn.utils.vector_to_parameters(torch.zeros_like(vector), model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    assert isinstance(model[0].weight.data, PackedLinearWeight)  # reading .data still works
