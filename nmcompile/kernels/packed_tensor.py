@@ -20,6 +20,8 @@ do instead.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
@@ -66,6 +68,16 @@ class PackedLinearWeight(Tensor):
 
     def _stable_hash_for_caching(self) -> str:  # AOTAutograd's cache: the metadata, not the values
         return f"PackedLinearWeight {self.weight_shape} {self.dtype} {self.max_tokens} {self.isa} {self.transposed}"
+
+    def __deepcopy__(self, memo):  # PyTorch's own clones wrapper subclasses, and a clone here is dense
+        if id(self) in memo:
+            return memo[id(self)]
+        copied = self._with(values=copy.deepcopy(self.values, memo), bits=copy.deepcopy(self.bits, memo))
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():  # a parameter's flag and records, as Tensor.__deepcopy__ keeps them
+            if key not in copied.__dict__:
+                copied.__dict__[key] = copy.deepcopy(value, memo)
+        return copied
 
     def __reduce_ex__(self, protocol):  # torch.save of a model or state dict holding it
         return _rebuild, (self.values, self.bits, self.weight_shape, self.max_tokens, self.isa, self.transposed)

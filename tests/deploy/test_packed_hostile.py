@@ -82,3 +82,24 @@ def test_assigning_data_of_a_packed_weight_is_refused_not_ignored():
     with torch.no_grad():
         assert torch.equal(model(x), before)
     assert isinstance(model[0].weight.data, PackedLinearWeight)  # reading .data still works
+
+
+def test_deepcopy_of_a_packed_model_is_packed_equal_and_independent():
+    import copy
+
+    model = packed()
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 64)
+    weight, copied = model[0].weight, twin[0].weight
+    assert isinstance(copied, PackedLinearWeight) and isinstance(copied, nn.Parameter) and not copied.requires_grad
+    assert copied.values.data_ptr() != weight.values.data_ptr() and copied.bits.data_ptr() != weight.bits.data_ptr()
+    assert (copied.weight_shape, copied.max_tokens, copied.isa, copied.transposed) == \
+        (weight.weight_shape, weight.max_tokens, weight.isa, weight.transposed)
+    with torch.no_grad():
+        assert torch.equal(twin(x), model(x))
+    assert nmcompile.deploy_report(twin) == nmcompile.deploy_report(model) and nmcompile.check(twin).ok
+    unpack_weights(twin)  # the copy's trainable flag came along; the original stays packed
+    assert twin[0].weight.requires_grad and isinstance(model[0].weight, PackedLinearWeight)
+    shared = nn.ModuleDict({"a": model[0], "b": model[0]})  # the same weight twice stays one weight
+    both = copy.deepcopy(shared)
+    assert both["a"].weight is both["b"].weight
