@@ -80,7 +80,10 @@ class PackedLinearWeight(Tensor):
         return copied
 
     def __reduce_ex__(self, protocol):  # torch.save of a model or state dict holding it
-        return _rebuild, (self.values, self.bits, self.weight_shape, self.max_tokens, self.isa, self.transposed)
+        # with the rest of its __dict__: a parameter's flag, its kernel decision and trainable record
+        extra = {k: v for k, v in self.__dict__.items() if k not in _OWN and not k.startswith("_sym_")}
+        return _rebuild, (self.values, self.bits, self.weight_shape, self.max_tokens, self.isa, self.transposed,
+                          *((extra,) if extra else ()))
 
     @property
     def data(self) -> Tensor:
@@ -104,6 +107,7 @@ class PackedLinearWeight(Tensor):
 
     def dense(self) -> Tensor:
         """The dense weight (a new tensor; the transpose where this is the transposed view)."""
+        _require_kernel()
         w = torch.ops.nmsparse.cpu24_unpack(self.values, self.bits, self.weight_shape[0])
         return w.t() if self.transposed else w
 
@@ -118,6 +122,7 @@ class PackedLinearWeight(Tensor):
 
     def _linear(self, x: Tensor, bias) -> Tensor:
         """``F.linear(x, W, bias)`` on the kernel, ``W`` the ``[out, in]`` weight this holds."""
+        _require_kernel()
         return torch.ops.nmsparse.cpu24_linear(
             x, self.values, self.bits, bias, None, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
         )
@@ -160,5 +165,24 @@ class PackedLinearWeight(Tensor):
         return func(*dense[0], **dense[1])
 
 
-def _rebuild(values, bits, shape, max_tokens, isa, transposed):
-    return PackedLinearWeight(values, bits, shape, max_tokens, isa, transposed)
+def _require_kernel() -> None:
+    """Load the 2:4 CPU kernel's ops (once per process), or say why a packed weight cannot be computed here."""
+    state = cpu24.status()
+    if not state.available:
+        raise RuntimeError(
+            f"a packed 2:4 weight is computed by the 2:4 CPU kernel, which is not available here: {state.reason}; "
+            "on such a machine load its checkpoint dense (nmcompile.deploy.unpack_state_dict)"
+        )
+
+
+#: the attributes :meth:`PackedLinearWeight.__init__` sets (the rest of a weight's __dict__ is pickled beside them)
+_OWN = frozenset({"values", "bits", "weight_shape", "max_tokens", "isa", "transposed"})
+
+
+def _rebuild(values, bits, shape, max_tokens, isa, transposed, extra=None):
+    # unpickled in a fresh process (torch.load of a whole model): register the kernel's ops now, as
+    # pack_weights and load_packed did where the weight was made (a machine without it is named at use)
+    cpu24.status()
+    weight = PackedLinearWeight(values, bits, shape, max_tokens, isa, transposed)
+    weight.__dict__.update(extra or {})
+    return weight

@@ -2,6 +2,10 @@
 ``.data`` assignment, deepcopy, pickling, shared memory, dtype casts, and damaged packed state dicts.
 """
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -103,3 +107,27 @@ def test_deepcopy_of_a_packed_model_is_packed_equal_and_independent():
     shared = nn.ModuleDict({"a": model[0], "b": model[0]})  # the same weight twice stays one weight
     both = copy.deepcopy(shared)
     assert both["a"].weight is both["b"].weight
+
+
+def _fresh_process(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=600)
+
+
+def test_a_pickled_packed_model_runs_in_a_fresh_process(tmp_path):
+    model = packed()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.save((model, x, model(x)), tmp_path / "model.pt")
+    done = _fresh_process(f"""
+        import torch
+        from torch import nn
+        import nmcompile
+        model, x, expected = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+        weight = model[0].weight
+        assert type(weight).__name__ == "PackedLinearWeight" and isinstance(weight, nn.Parameter)
+        assert nmcompile.deploy_report(model)["0.weight"].kernel == "cpu24"  # its decision came along
+        print("ran packed")
+    """)
+    assert done.returncode == 0 and "ran packed" in done.stdout, done.stderr[-2000:]
