@@ -81,7 +81,7 @@ class PackedLinearWeight(Tensor):
 
     def __reduce_ex__(self, protocol):  # torch.save of a model or state dict holding it
         # with the rest of its __dict__: a parameter's flag, its kernel decision and trainable record
-        extra = {k: v for k, v in self.__dict__.items() if k not in _OWN and not k.startswith("_sym_")}
+        extra = _extra(self)
         return _rebuild, (self.values, self.bits, self.weight_shape, self.max_tokens, self.isa, self.transposed,
                           *((extra,) if extra else ()))
 
@@ -115,10 +115,23 @@ class PackedLinearWeight(Tensor):
         # an inference tensor only where this one is: a view (t, detach) of a weight made outside
         # torch.inference_mode is a normal tensor whose version counter PyTorch sets to the weight's
         with torch.inference_mode(self.is_inference()):
-            return PackedLinearWeight(
+            out = PackedLinearWeight(
                 self.values if values is None else values, self.bits if bits is None else bits, self.weight_shape,
                 self.max_tokens, self.isa, self.transposed if transposed is None else transposed,
             )
+        # its records (kernel decision, trainable), which Module._apply (.to, share_memory) would lose
+        # when it wraps the result in a new Parameter; not the parameter flag itself
+        out.__dict__.update(_extra(self, "_is_param"))
+        return out
+
+    def share_memory_(self) -> "PackedLinearWeight":
+        """Move the values and bits to shared memory (PyTorch's own would read a storage this wrapper has not)."""
+        self.values.share_memory_()
+        self.bits.share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        return self.values.is_shared() and self.bits.is_shared()
 
     def _linear(self, x: Tensor, bias) -> Tensor:
         """``F.linear(x, W, bias)`` on the kernel, ``W`` the ``[out, in]`` weight this holds."""
@@ -177,6 +190,11 @@ def _require_kernel() -> None:
 
 #: the attributes :meth:`PackedLinearWeight.__init__` sets (the rest of a weight's __dict__ is pickled beside them)
 _OWN = frozenset({"values", "bits", "weight_shape", "max_tokens", "isa", "transposed"})
+
+
+def _extra(weight: PackedLinearWeight, *leave: str) -> dict:
+    """What ``weight``'s __dict__ holds beyond its own fields (and PyTorch's cached size capsules)."""
+    return {k: v for k, v in weight.__dict__.items() if k not in _OWN and k not in leave and not k.startswith("_sym_")}
 
 
 def _rebuild(values, bits, shape, max_tokens, isa, transposed, extra=None):

@@ -131,3 +131,30 @@ def test_a_pickled_packed_model_runs_in_a_fresh_process(tmp_path):
         print("ran packed")
     """)
     assert done.returncode == 0 and "ran packed" in done.stdout, done.stderr[-2000:]
+
+
+def test_share_memory_of_a_packed_model_shares_values_and_bits():
+    # PyTorch's share_memory_ reads the storage of the wrapper, which has none: the process died (SIGSEGV)
+    done = _fresh_process("""
+        import torch
+        from torch import nn
+        import nmcompile
+        from nmcompile.deploy import pack_weights
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48))
+        nmcompile.annotate(model, "sr_ste:2:4")
+        nmcompile.finalize(model)
+        pack_weights(model.eval(), measure=False)
+        x = torch.randn(3, 64)
+        with torch.no_grad():
+            expected = model(x)
+        assert model[2].weight.share_memory_() is model[2].weight and model[2].weight.is_shared()
+        model.share_memory()
+        weight = model[0].weight
+        assert weight.is_shared() and weight.values.is_shared() and weight.bits.is_shared()
+        assert isinstance(weight, nn.Parameter) and nmcompile.deploy_report(model)["0.weight"].kernel == "cpu24"
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+        print("shared")
+    """)
+    assert done.returncode == 0 and "shared" in done.stdout, (done.returncode, done.stderr[-2000:])
