@@ -91,6 +91,15 @@ class PackedLinearWeight(Tensor):
 
     @data.setter
     def data(self, new) -> None:  # PyTorch's setter would swap the storage and leave values and bits as they were
+        if isinstance(new, Tensor) and not isinstance(new, PackedLinearWeight) \
+                and (new.dtype, new.device.type) != (self.dtype, self.device.type):
+            # Module._apply (model.double(), .to(dtype or device)) assigns .data where the result is a plain tensor
+            raise RuntimeError(
+                f"cannot convert a packed 2:4 weight {list(self.weight_shape)} from {self.dtype} on {self.device.type} "
+                f"to {new.dtype} on {new.device.type}: the 2:4 CPU kernel holds float32, bfloat16 or float16 weights "
+                "on the CPU (those conversions keep it packed); unpack the model first "
+                "(nmcompile.deploy.unpack_weights(model)) to convert its dense weights"
+            )
         raise RuntimeError(
             f"assigning .data of a packed 2:4 weight {list(self.weight_shape)} would be ignored: it holds only its kept "
             "values, which .data does not reach; unpack the model first (nmcompile.deploy.unpack_weights(model)), set "
@@ -111,13 +120,13 @@ class PackedLinearWeight(Tensor):
         w = torch.ops.nmsparse.cpu24_unpack(self.values, self.bits, self.weight_shape[0])
         return w.t() if self.transposed else w
 
-    def _with(self, values=None, bits=None, transposed=None) -> "PackedLinearWeight":
+    def _with(self, values=None, bits=None, transposed=None, isa=None) -> "PackedLinearWeight":
         # an inference tensor only where this one is: a view (t, detach) of a weight made outside
         # torch.inference_mode is a normal tensor whose version counter PyTorch sets to the weight's
         with torch.inference_mode(self.is_inference()):
             out = PackedLinearWeight(
                 self.values if values is None else values, self.bits if bits is None else bits, self.weight_shape,
-                self.max_tokens, self.isa, self.transposed if transposed is None else transposed,
+                self.max_tokens, self.isa if isa is None else isa, self.transposed if transposed is None else transposed,
             )
         # its records (kernel decision, trainable), which Module._apply (.to, share_memory) would lose
         # when it wraps the result in a new Parameter; not the parameter flag itself
@@ -166,10 +175,11 @@ class PackedLinearWeight(Tensor):
             if isinstance(w, PackedLinearWeight) and w.transposed and not isinstance(x, PackedLinearWeight) \
                     and x.dim() >= 2:
                 return w._linear(x, None)
-        if func is aten._to_copy.default and set(kwargs) <= {"dtype"} and kwargs.get("dtype") in cpu24.DTYPES:
-            w = args[0]
-            return w._with(values=w.values.to(kwargs["dtype"]))
-        if getattr(func, "_schema", None) is not None and func._schema.is_mutable:
+        if func is aten._to_copy.default or func.overloadpacket is aten.to:
+            cast = _cast(func, args, kwargs)
+            if cast is not None:
+                return cast
+        if any(isinstance(t, PackedLinearWeight) for t in _written(func, args, kwargs)):
             raise RuntimeError(
                 f"{func} would write into a packed 2:4 weight, which holds only its kept values; unpack the model "
                 "first (nmcompile.deploy.unpack_weights(model)) to change weights"
@@ -190,6 +200,46 @@ def _require_kernel() -> None:
 
 #: the attributes :meth:`PackedLinearWeight.__init__` sets (the rest of a weight's __dict__ is pickled beside them)
 _OWN = frozenset({"values", "bits", "weight_shape", "max_tokens", "isa", "transposed"})
+
+
+def _bound(func, args, kwargs) -> dict:
+    """``func``'s arguments by name."""
+    return {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
+
+
+def _written(func, args, kwargs) -> list:
+    """The arguments ``func`` writes into (``self`` of an in-place op, ``out=``): a packed weight may be read
+    by a write into a dense tensor (``dense.copy_(packed)``: ``load_state_dict`` into a plain model)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    bound = _bound(func, args, kwargs)
+    return [bound.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _cast(func, args, kwargs):
+    """``weight.to(dtype)`` (``_to_copy``, or ``to`` as it arrives under ``torch.inference_mode``) kept packed
+    where the kernel takes the dtype, on the CPU; None for other conversions (computed on the dense weight)."""
+    bound = _bound(func, args, kwargs)
+    w = bound.get("self")
+    if not isinstance(w, PackedLinearWeight):
+        return None
+    dtype = bound.get("dtype") or w.dtype
+    device = bound.get("device")
+    if dtype not in cpu24.DTYPES or (device is not None and torch.device(device).type != "cpu") \
+            or bound.get("layout") not in (None, torch.strided) or bound.get("pin_memory"):
+        return None
+    if func is not aten._to_copy.default and dtype == w.dtype and not bound.get("copy"):
+        return w  # to() of what it already is: the weight itself, as for any tensor
+    values = w.values.to(dtype, copy=True)
+    # the fastest ISA for the new dtype where the weight had the fastest for its own (avx512_bf16 is for bf16
+    # only), else the one it was given, where that takes the new dtype
+    keep = w.isa in _isas_for(dtype) and w.isa != cpu24.best_isa(w.dtype)
+    return w._with(values=values, isa=w.isa if keep else cpu24.best_isa(dtype) or w.isa)
+
+
+def _isas_for(dtype: torch.dtype) -> tuple:
+    return tuple(name for name in cpu24.ISAS if name != "avx512_bf16" or dtype == torch.bfloat16)
 
 
 def _extra(weight: PackedLinearWeight, *leave: str) -> dict:

@@ -158,3 +158,62 @@ def test_share_memory_of_a_packed_model_shares_values_and_bits():
         print("shared")
     """)
     assert done.returncode == 0 and "shared" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_packed_state_dict_loads_into_a_plain_model():
+    model = packed()
+    plain = build()
+    plain.load_state_dict(model.state_dict())  # a dense target: reading the packed weight is no write into it
+    assert type(plain[0].weight) is nn.Parameter
+    assert torch.equal(plain[0].weight, model[0].weight.dense()) and torch.equal(plain[3].weight, model[3].weight)
+    with pytest.raises(RuntimeError, match="would write into a packed 2:4 weight"):
+        with torch.no_grad():
+            model[0].weight.copy_(plain[0].weight)  # the other way is still refused
+
+
+@pytest.mark.parametrize("route", ["module", "module with device", "tensor", "tensor under inference_mode"])
+def test_dtype_conversion_converts_the_packed_values(route):
+    import copy
+
+    model = finalized()
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    pack_weights(model, measure=False)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    if route.startswith("module"):
+        model.to(torch.bfloat16) if route == "module" else model.to("cpu", torch.bfloat16)
+        weight, run, expected = model[0].weight, model, reference
+    else:
+        with torch.inference_mode() if "inference_mode" in route else torch.no_grad():
+            weight = model[0].weight.to(torch.bfloat16)
+        bias = reference[0].bias
+
+        def run(x):
+            return torch.nn.functional.linear(x, weight, bias)
+
+        def expected(x):
+            return reference[0](x)
+
+    assert isinstance(weight, PackedLinearWeight) and weight.dtype == weight.values.dtype == torch.bfloat16
+    assert weight.isa == cpu24.best_isa(torch.bfloat16)
+    with torch.no_grad():
+        out, calls = kernel_calls(lambda: run(x))
+        torch.testing.assert_close(out, expected(x), rtol=2e-2, atol=2e-2)
+    assert calls == {"nmsparse::cpu24_linear": 2 if run is model else 1}
+    if run is model:
+        assert nmcompile.deploy_report(model)["0.weight"].kernel == "cpu24"  # the record came along
+
+
+def test_a_dtype_the_kernel_cannot_take_is_named():
+    model = packed()
+    with pytest.raises(RuntimeError, match=r"cannot convert a packed 2:4 weight \[128, 64\] from torch.float32 on cpu to "
+                                           r"torch.float64.*float32, bfloat16 or float16.*unpack_weights"):
+        model.double()
+    dense = model[2].weight.double()  # reading one weight in float64 is a dense copy
+    assert type(dense) is torch.Tensor and torch.equal(dense, model[2].weight.dense().double())
+
+
+def test_a_cast_leaves_an_isa_that_does_not_take_the_new_dtype():
+    weight = packed(torch.bfloat16)[0].weight
+    weight = weight._with(isa="avx512_bf16")  # as packed on a CPU with AVX512-BF16
+    assert weight.to(torch.float32).isa == cpu24.best_isa(torch.float32)  # it multiplies bf16 only
+    assert weight.to(torch.bfloat16, copy=True).isa == "avx512_bf16"
