@@ -271,3 +271,14 @@ def test_a_weight_changed_behind_the_version_counter_is_packed_again(route):
         _change_weight(model, route)
         torch.testing.assert_close(compiled(x), model(x))
     assert len(cpu_calls(graphs)) == 2  # still the kernel, on the new weight
+
+
+@needs_kernel
+def test_a_forced_kernel_that_cannot_take_a_layer_names_it_and_the_fix():
+    model = finalized(widths=(20, 32, 20))  # 0: in_features 20; 2: [20, 32] fits
+    with pytest.raises(Exception, match=r"0\.weight \(\[32, 20\]\): deploy_kernel='cpu24' cannot be used: in_features "
+                                        r"20 .*deploy_kernel='auto'.*deploy_report, or pad"):
+        rewritten_calls(model, torch.randn(3, 20), deploy_kernel="cpu24")
+    torch._dynamo.reset()
+    rewritten_calls(model, torch.randn(3, 20), deploy_kernel="auto")  # the fix it names compiles
+    assert nmcompile.deploy_report(model)["0.weight"].kernel == "dense"
