@@ -16,6 +16,7 @@ writes them as values + metadata without unpacking, so ``torch.load(weights_only
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 
 from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
-from ..kernels.packed import META_SUFFIX, _packed_record, pack, packed_dims
+from ..kernels.packed import META_SUFFIX, Packed24, _packed_record, pack, packed_dims, unpack
 from ..kernels.packed_tensor import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -138,9 +139,11 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
     finalized 2:4 along ``in``; every other entry as ``load_state_dict(assign=True)`` does, so a
     model built on the meta device works. Returns ``load_state_dict``'s result.
 
-    A packed entry must belong to a 2-D weight of the same shape (``[out, in]``, the values
+    A packed entry must belong to a weight of the same shape (``[out, in]``, the values
     ``[out, in/2]``; an entry packed as its transpose, GPT-2's ``Conv1D``, a weight ``[in, out]``,
-    recorded 2:4 along dim 0); its token range is every count (call :func:`pack_weights` with ``measure``
+    recorded 2:4 along dim 0). Those the kernel does not take (a mixture of experts' 3-D
+    ``[experts, out, in]`` weights, a float64 model) are loaded dense, recorded 2:4 along their last
+    dim, with a warning naming them. A packed weight's token range is every count (call :func:`pack_weights` with ``measure``
     after :func:`unpack_weights` to time it, or compile with the ``nmsparse`` backend).
     """
     if not cpu24.status().available:
@@ -154,7 +157,7 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
             "with nmcompile.deploy.pack_state_dict"
         )
     modules = dict(model.named_modules())
-    plain, dims = {}, packed_dims(state)
+    plain, dims, held_dense = {}, packed_dims(state), []
     for key, tensor in state.items():
         if key.endswith(META_SUFFIX):
             if key[: -len(META_SUFFIX)] not in state:
@@ -168,21 +171,33 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
         module = modules.get(mname)
         param = None if module is None else module._parameters.get(pname)
         transposed = dims.get(key) == 0
-        shape = (tensor.shape[0], tensor.shape[1] * 2)
+        shape = (*tensor.shape[:-1], tensor.shape[-1] * 2)
         expected = shape[::-1] if transposed else shape
-        if param is None or param.dim() != 2 or tuple(param.shape) != expected:
+        if param is None or tuple(param.shape) != expected:
             layout = " (held as its transpose, GPT-2's Conv1D)" if transposed else ""
             raise ValueError(
-                f"load_packed: {key} holds a packed 2:4 weight of shape [{expected[0]}, {expected[1]}]{layout}, but "
+                f"load_packed: {key} holds a packed 2:4 weight of shape {list(expected)}{layout}, but "
                 f"the model's {key} is {None if param is None else list(param.shape)}"
             )
+        dtype = tensor.dtype if param.is_meta else param.dtype
+        why = (f"a {len(shape)}-D weight: the 2:4 CPU kernel takes 2-D linear weights" if len(shape) != 2 else
+               None if dtype in cpu24.DTYPES else f"{dtype}: the 2:4 CPU kernel takes float32, bfloat16 and float16")
+        if why is not None:  # e.g. a mixture of experts' [experts, out, in] weights: loaded dense, recorded 2:4
+            dense = unpack(Packed24(tensor, meta))
+            plain[key] = (dense.t() if transposed else dense).contiguous().to(dtype)
+            held_dense.append(f"{key} ({why})")
+            records.put(module, DEPLOYED, pname, _deployed(0 if transposed else -1 if len(shape) > 2 else 1))
+            continue
         weight = PackedLinearWeight.from_packed(tensor, meta)
-        weight = weight._with(values=weight.values.to(param.dtype)) if param.dtype != tensor.dtype and not param.is_meta else weight
+        weight = weight.to(dtype) if dtype != tensor.dtype else weight
         if transposed:
             weight = weight._with(transposed=True)
         _set(module, pname, weight, Decision("cpu24", "packed only, loaded (every token count, not timed)",
                                              isa=weight.isa), _trainable(param))
         records.put(module, DEPLOYED, pname, _deployed(0 if transposed else 1))
+    if held_dense:
+        warnings.warn("nmcompile.deploy.load_packed: these 2:4 weights are loaded dense (recorded 2:4), the 2:4 CPU "
+                      "kernel does not take them: " + ", ".join(held_dense), stacklevel=2)
     missing_packed = [k for k in model.state_dict() if k not in plain and k + META_SUFFIX not in state]
     result = model.load_state_dict(plain, strict=False, assign=True)
     if strict and (missing_packed or result.unexpected_keys):

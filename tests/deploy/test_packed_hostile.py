@@ -217,3 +217,40 @@ def test_a_cast_leaves_an_isa_that_does_not_take_the_new_dtype():
     weight = weight._with(isa="avx512_bf16")  # as packed on a CPU with AVX512-BF16
     assert weight.to(torch.float32).isa == cpu24.best_isa(torch.float32)  # it multiplies bf16 only
     assert weight.to(torch.bfloat16, copy=True).isa == "avx512_bf16"
+
+
+def test_load_packed_reads_a_mixtral_checkpoint_with_3d_experts():
+    transformers = pytest.importorskip("transformers")
+    from nmcompile.deploy import load_packed, pack_state_dict, unpack_state_dict
+    from nmcompile.state.records import deployed_of
+
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM._from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.1)  # transformers leaves expert weights uninitialised outside from_pretrained
+    nmcompile.annotate(model, "sr_ste:2:4")
+    nmcompile.finalize(model)
+    state = pack_state_dict(model.eval().state_dict())
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert state[experts].shape == (4, 64, 16)  # [experts, out, in/2]: what unpack_state_dict reads
+    fresh = transformers.MixtralForCausalLM._from_config(config)  # (on meta, its rotary buffers would stay there)
+    with pytest.warns(UserWarning, match=f"loaded dense.*{experts} \\(a 3-D weight"):
+        load_packed(fresh, state)
+    layer = fresh.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj.weight, PackedLinearWeight)
+    assert torch.equal(layer.mlp.experts.gate_up_proj, unpack_state_dict(state)[experts])
+    assert deployed_of(layer.mlp.experts, "gate_up_proj").dim == -1 and nmcompile.check(fresh).ok
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+    wrong = build()
+    wrong[0] = nn.Linear(32, 128)
+    with pytest.raises(ValueError, match=r"0.weight holds a packed 2:4 weight of shape \[128, 64\], but the model's "
+                                         r"0.weight is \[128, 32\]"):
+        load_packed(wrong, pack_state_dict(finalized().state_dict()))
