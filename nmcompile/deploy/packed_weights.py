@@ -24,7 +24,8 @@ from torch import nn
 
 from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
-from ..kernels.packed import META_SUFFIX, Packed24, _packed_record, pack, packed_dims, unpack
+from ..kernels.packed import (DAMAGED_HINT, META_SUFFIX, Packed24, _packed_record, lost_metadata, pack, packed_dims,
+                               unpack)
 from ..kernels.packed_tensor import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -149,14 +150,15 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
     if not cpu24.status().available:
         raise RuntimeError(f"load_packed needs the 2:4 CPU kernel, which is not available here: "
                            f"{cpu24.status().reason}; load nmcompile.deploy.unpack_state_dict(state) instead")
-    lost = [key for key in _packed_record(state) or [] if key in state and key + META_SUFFIX not in state]
+    modules = dict(model.named_modules())
+    lost = lost_metadata(state)
+    lost += [key for key in _half_width(state, modules) if key not in lost]
     if lost:
         raise ValueError(
             f"load_packed: the file is damaged: {', '.join(lost)} {'was' if len(lost) == 1 else 'were'} written packed "
             f"but {'its' if len(lost) == 1 else 'their'} {META_SUFFIX} entry is missing; write the checkpoint again "
-            "with nmcompile.deploy.pack_state_dict"
+            "with nmcompile.deploy.pack_state_dict" + ("" if _packed_record(state) is not None else DAMAGED_HINT)
         )
-    modules = dict(model.named_modules())
     plain, dims, held_dense = {}, packed_dims(state), []
     for key, tensor in state.items():
         if key.endswith(META_SUFFIX):
@@ -203,6 +205,25 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
     if strict and (missing_packed or result.unexpected_keys):
         raise RuntimeError(f"load_packed: missing keys {missing_packed}, unexpected keys {result.unexpected_keys}")
     return result
+
+
+def _half_width(state: Mapping, modules: dict) -> list[str]:
+    """Entries without metadata, in a dict that holds packed ones, whose shape is that of the model's weight
+    with half its last dim (or, 2-D, half its first: a transposed one): packed values that lost their metadata."""
+    if not any(key.endswith(META_SUFFIX) for key in state):
+        return []
+    found = []
+    for key, tensor in state.items():
+        if key.endswith(META_SUFFIX) or key + META_SUFFIX in state or not isinstance(tensor, torch.Tensor):
+            continue
+        mname, _, pname = key.rpartition(".")
+        param = getattr(modules.get(mname), "_parameters", {}).get(pname)
+        if param is None or param.dim() < 2 or tensor.dim() != param.dim() or tensor.shape[-1] * 2 not in param.shape[-1:] + param.shape[:1]:
+            continue
+        shape = tuple(param.shape)
+        if tuple(tensor.shape) in ((*shape[:-1], shape[-1] // 2), (shape[-1], shape[0] // 2) if len(shape) == 2 else ()):
+            found.append(key)
+    return found
 
 
 def _deployed(dim: int = 1):

@@ -254,3 +254,35 @@ def test_load_packed_reads_a_mixtral_checkpoint_with_3d_experts():
     with pytest.raises(ValueError, match=r"0.weight holds a packed 2:4 weight of shape \[128, 64\], but the model's "
                                          r"0.weight is \[128, 32\]"):
         load_packed(wrong, pack_state_dict(finalized().state_dict()))
+
+
+def blocks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([nn.Linear(64, 64) for _ in range(3)]), nn.Linear(64, 10))
+    nmcompile.annotate(model, "sr_ste:2:4", exclude=["1.*"])
+    nmcompile.finalize(model)
+    return model
+
+
+def test_a_rebuilt_packed_dict_that_lost_a_metadata_entry_is_named_damaged():
+    from nmcompile.deploy import load_packed, pack_state_dict, unpack_state_dict
+
+    state = pack_state_dict(finalized().state_dict())
+    rebuilt = {k: v for k, v in state.items() if k != "2.weight.nm24_meta"}  # no _metadata record any more
+    with pytest.raises(ValueError, match="load_packed: the file is damaged: 2.weight was written packed but its "
+                                         r"\.nm24_meta entry is missing.*found from the entries"):
+        load_packed(build(), rebuilt)  # the model's 2.weight is [48, 128], the entry [48, 64]
+    report = nmcompile.check(rebuilt)
+    assert "2.weight: 2:4 along dim 1: 768/768 groups violate; if it was written packed, its .nm24_meta entry is " \
+        "missing" in str(report)
+    stacked = pack_state_dict(blocks().state_dict())
+    rebuilt = {k: v for k, v in stacked.items() if k != "0.1.weight.nm24_meta"}
+    for read in (unpack_state_dict, nmcompile.check):  # no model: the same layer of the other blocks tells
+        with pytest.raises(ValueError, match=r"damaged: 0\.1\.weight was written packed but its metadata "
+                                             r"0\.1\.weight\.nm24_meta is missing.*found from the entries"):
+            read(rebuilt)
+    whole = dict(stacked)  # rebuilt, nothing lost: the dense head is no suspect
+    assert torch.equal(unpack_state_dict(whole)["1.weight"], stacked["1.weight"]) and nmcompile.check(whole)["0.2.weight"].ok
+    fresh = blocks()
+    load_packed(fresh, whole)
+    assert isinstance(fresh[0][1].weight, PackedLinearWeight)
