@@ -14,7 +14,9 @@ only the kernel's ``values`` and position ``bits`` (:func:`nmcompile.kernels.cpu
 - ``nmcompile.deploy.pack_state_dict`` writes its packed values and metadata without unpacking.
 
 It is traceable (``__tensor_flatten__``): Dynamo, AOTAutograd and ``torch.export`` see the two
-inner tensors. Read-only: in-place ops, ``.data`` assignment and gradients are refused with what to
+inner tensors. It stays packed through ``copy.deepcopy``, ``torch.save`` of a whole model (loading it
+registers the kernel's ops), ``share_memory_`` (the values and bits move) and conversions to the
+kernel's dtypes (``model.to(torch.bfloat16)``; others, ``model.double()``, are refused). Read-only: in-place ops, ``.data`` assignment and gradients are refused with what to
 do instead.
 """
 
