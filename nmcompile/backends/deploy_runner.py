@@ -72,8 +72,8 @@ class DeployRunner:
 def _sample_index(weight: torch.Tensor) -> torch.Tensor | None:
     """Flat (row-major) indices of two positions per row of ``weight``, spread over its columns; None
     off the CPU (reading them back would wait for the device at every call)."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not weight.numel():
-        return None
+    if weight.device.type != "cpu" or weight.dim() != 2 or not weight.numel() or not torch._C._has_storage(weight):
+        return None  # (a tensor subclass without storage, e.g. a sharded one, is followed by its version only)
     rows, cols = weight.shape
     row = torch.arange(rows, dtype=torch.int64)
     first = (row * 7919 + 13) % cols
@@ -84,12 +84,16 @@ def _stamp(weight: torch.Tensor) -> tuple:
     """What :func:`_same` compares: the version counter, the data pointer and the sampled values."""
     index = _sample_index(weight)
     sample = None if index is None else torch.take(weight.detach(), index)
-    return weight._version, weight.data_ptr(), index, sample
+    return weight._version, _pointer(weight), index, sample
+
+
+def _pointer(weight: torch.Tensor) -> int | None:
+    return weight.data_ptr() if torch._C._has_storage(weight) else None
 
 
 def _same(stamp: tuple, weight: torch.Tensor) -> bool:
     """Whether ``weight`` is unchanged since :func:`_stamp` (see the module's doc for what is seen)."""
     version, pointer, index, sample = stamp
-    if weight._version != version or weight.data_ptr() != pointer:
+    if weight._version != version or _pointer(weight) != pointer:
         return False
     return index is None or torch.equal(torch.take(weight.detach(), index), sample)
