@@ -3,8 +3,13 @@
 Runs :data:`nmcompile.passes.DEPLOY_PASSES` (per-layer decision, then the rewrite to
 ``nmsparse::sparse_linear``), compiles the result, and returns a callable that appends each
 sparse layer's compressed weight to the inputs. Weights are compressed when the graph is
-compiled and again only when a weight tensor changes (its version counter), or when another
-instance of the model class runs through the same graph.
+compiled and again when a weight changes, or when another instance of the model class runs
+through the same graph. A change is seen through the tensor's version counter (in-place writes:
+``load_state_dict``, ``w.copy_`` under ``no_grad``), its data pointer (``w.data = t``,
+``torch.nn.utils.vector_to_parameters``), and, for CPU weights, a sample of two positions per
+row compared at each call: a write through ``w.data`` counts no version (PyTorch gives ``.data``
+a counter of its own), so ``w.data.copy_(t)`` is found by its values; one that changes none of
+the sampled positions is not seen.
 """
 
 from __future__ import annotations
@@ -39,20 +44,20 @@ class DeployRunner:
         sparse = [t for t in ctx.deployed if t.decision.sparse]
         # per sparse weight: (its position among the inputs, kernel, decision, stored [in, out])
         self.layers = [(placeholders.index(t.node.name), t.decision.kernel, t.decision, t.transposed) for t in sparse]
-        # id(weight) -> (weakref, version, values, meta)
+        # id(weight) -> (weakref, (version, data pointer, sampled values), values, meta)
         self.cache: dict[int, tuple] = {}
         for t in sparse:  # compressed once by the rewrite pass
             values, meta = ctx.compressed[t.fqn]
-            self.cache[id(t.param)] = (weakref.ref(t.param), t.param._version, values, meta)
+            self.cache[id(t.param)] = (weakref.ref(t.param), _stamp(t.param), values, meta)
 
     def _packed(self, weight: torch.Tensor, kernel: str, decision, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         hit = self.cache.get(id(weight))
-        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        if hit is not None and hit[0]() is weight and _same(hit[1], weight):
             return hit[2], hit[3]
         if hit is not None and hit[0]() is weight:
             log.warning("nmsparse deploy: a finalized weight %s changed; compressing it again", tuple(weight.shape))
         values, meta = compress(weight.t() if transposed else weight, kernel)  # raises if no longer 2:4
-        self.cache[id(weight)] = (weakref.ref(weight), weight._version, values, meta)
+        self.cache[id(weight)] = (weakref.ref(weight), _stamp(weight), values, meta)
         if getattr(weight, DECISION_ATTR, None) is None:
             setattr(weight, DECISION_ATTR, decision)
         return values, meta
@@ -62,3 +67,33 @@ class DeployRunner:
         for index, kernel, decision, transposed in self.layers:
             inputs.extend(self._packed(args[index], kernel, decision, transposed))
         return self.compiled(*inputs)
+
+
+def _sample_index(weight: torch.Tensor) -> torch.Tensor | None:
+    """Flat (row-major) indices of two positions per row of ``weight``, spread over its columns; None
+    off the CPU (reading them back would wait for the device at every call)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not weight.numel() or not torch._C._has_storage(weight):
+        return None  # (a tensor subclass without storage, e.g. a sharded one, is followed by its version only)
+    rows, cols = weight.shape
+    row = torch.arange(rows, dtype=torch.int64)
+    first = (row * 7919 + 13) % cols
+    return torch.cat([row * cols + first, row * cols + (first + cols // 2) % cols])
+
+
+def _stamp(weight: torch.Tensor) -> tuple:
+    """What :func:`_same` compares: the version counter, the data pointer and the sampled values."""
+    index = _sample_index(weight)
+    sample = None if index is None else torch.take(weight.detach(), index)
+    return weight._version, _pointer(weight), index, sample
+
+
+def _pointer(weight: torch.Tensor) -> int | None:
+    return weight.data_ptr() if torch._C._has_storage(weight) else None
+
+
+def _same(stamp: tuple, weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is unchanged since :func:`_stamp` (see the module's doc for what is seen)."""
+    version, pointer, index, sample = stamp
+    if weight._version != version or _pointer(weight) != pointer:
+        return False
+    return index is None or torch.equal(torch.take(weight.detach(), index), sample)

@@ -263,6 +263,9 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, d
     if not isinstance(model, nn.Module):
         raise TypeError(f"annotate takes an nn.Module, got {type(model).__name__}")
     plan = Plan.build(recipe_or_rules, include=include, exclude=exclude, default_dense=default_dense)
+    unmatched = plan.unmatched_filters(name for name, _ in owners(model))
+    if unmatched:
+        warnings.warn(f"nmcompile.annotate: {'; '.join(unmatched)}", stacklevel=2)
     report = AnnotationReport()
     chosen = []
     for name, places in owners(model):

@@ -19,6 +19,7 @@ A TOML rules file looks like::
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,16 @@ def _globs(value, what: str) -> tuple[str, ...]:
     if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise TypeError(f"{what} takes a glob or a list of globs over parameter/module names, got {value!r}")
+
+
+def _closest(glob: str, candidates: list[str]) -> str:
+    """``"; the closest: ..."`` for a glob that matched none of ``candidates`` (``""`` if none is close)."""
+    deeper = [n for n in candidates if fnmatchcase(n, f"*.{glob}")]
+    if deeper:
+        shown = ", ".join(map(repr, deeper[:3])) + (" ..." if len(deeper) > 3 else "")
+        return f"; it is the end of {shown}: a glob names a whole name, write '*.{glob}' to match it at any depth"
+    close = difflib.get_close_matches(glob, candidates, n=3, cutoff=0.5)
+    return f"; the closest names: {', '.join(map(repr, close))}" if close else ""
 
 
 def _names(param_name: str) -> tuple[str, str]:
@@ -135,6 +146,18 @@ class Plan:
             if not any(fnmatchcase(n, rule.glob) for name in names for n in _names(name)):
                 reasons.append(f"rule {rule.glob!r} matches none of them")
         return "; ".join(reasons) or "no rule matches a weight that include/exclude leave in"
+
+    def unmatched_filters(self, names) -> list[str]:
+        """One line for each include/exclude glob that matches none of ``names`` (parameter names) nor
+        their modules' names, with the closest names (a glob names a whole name: ``fc3`` is not
+        ``module.fc3``)."""
+        candidates = list(dict.fromkeys(n for name in names for n in _names(name) if n))
+        lines = []
+        for kind, globs in (("include", self.include), ("exclude", self.exclude)):
+            for glob in globs:
+                if not any(fnmatchcase(n, glob) for n in candidates):
+                    lines.append(f"{kind} glob {glob!r} matches no parameter or module name{_closest(glob, candidates)}")
+        return lines
 
     @classmethod
     def build(cls, spec, *, include=None, exclude=None, default_dense=None) -> Plan:

@@ -23,7 +23,7 @@ class WeightCheck:
     dim: int
     groups: int
     violations: int  # groups with more than N non-zeros
-    problem: str = ""  # what is wrong with the recipe state behind the weight (a model's weights only)
+    problem: str = ""  # what is wrong with the recipe state behind the weight, or the entry of a packed dict
 
     @property
     def ok(self) -> bool:

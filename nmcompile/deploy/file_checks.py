@@ -10,13 +10,14 @@ at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from .. import masks
-from ..kernels.packed import packed_dims, unpack_state_dict
+from ..kernels.packed import META_SUFFIX, packed_dims, unpack_state_dict
 from ..pattern import NMPattern
 from .compliance import CheckReport, check_one, selects
 from .hints import suggestion
@@ -85,7 +86,20 @@ def check_state(state: Mapping, pattern: NMPattern | None, dim: int | None, only
         _recorded(report, items, layout, pattern, dim, only, False, path)
     else:
         _unrecorded(report, items, pattern, dim, only, dims, path)
+    packed = {key[: -len(META_SUFFIX)] for key in state if key.endswith(META_SUFFIX)}
+    if packed and not _recorded_packed(state):  # a rebuilt dict: which were packed is no longer recorded
+        for name in [n for n in report if not report[n].ok and n not in packed]:
+            report[name] = dataclasses.replace(report[name], problem=(
+                f"if it was written packed, its {META_SUFFIX} entry is missing and its values read as a dense weight "
+                "of half the width (the dict has packed entries but not pack_state_dict's record of which, which a "
+                "dict rebuilt by a comprehension loses); write the checkpoint again with nmcompile.deploy.pack_state_dict"))
     return report
+
+
+def _recorded_packed(state: Mapping) -> bool:
+    from ..kernels.packed import _packed_record
+
+    return _packed_record(state) is not None
 
 
 def check_path(path, pattern: NMPattern | None, dim: int | None, only) -> CheckReport:

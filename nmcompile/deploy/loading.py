@@ -23,7 +23,7 @@ from ..pattern import NMPattern
 from ..state import records
 from ..state.records import DEPLOYED, owners
 from .layout import Layout
-from .packed_weights import _range, _set
+from .packed_weights import _range, _set, _trainable
 from .restore import _layout, restore
 from .streaming import chunk_budget, packable, read_dense, read_packed
 from .weight_files import tensor_sources, weight_files
@@ -188,8 +188,9 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
                                 + (f"; {how}" if how else ""),
                                 max_tokens=weight.max_tokens, isa=weight.isa, ratios=ratios,
                                 speedup=ratios[0][1] if ratios else None)
+            trainable = _trainable(places[0][1]._parameters[places[0][2]])
             for _, module, pname in places:
-                _set(module, pname, weight, decision)
+                _set(module, pname, weight, decision, trainable)
         else:
             tensor = read_dense(source, key, dtype, budget)
             bad, total = _violations(tensor, entry)

@@ -16,6 +16,7 @@ writes them as values + metadata without unpacking, so ``torch.load(weights_only
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -23,7 +24,8 @@ from torch import nn
 
 from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
-from ..kernels.packed import META_SUFFIX, _packed_record, pack, packed_dims
+from ..kernels.packed import (DAMAGED_HINT, META_SUFFIX, Packed24, _packed_record, lost_metadata, pack, packed_dims,
+                               unpack)
 from ..kernels.packed_tensor import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -42,10 +44,21 @@ def _range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, meas
     return max_tokens, measured.ratios, provenance(measured)
 
 
-def _set(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision) -> None:
+#: the attribute of a packed-only parameter that keeps whether the dense weight it replaced was
+#: trainable, for :func:`unpack_weights` (the packed one never is: it takes no gradient)
+TRAINABLE_ATTR = "_nmcompile_requires_grad"
+
+
+def _set(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision, trainable: bool = True) -> None:
     param = nn.Parameter(weight, requires_grad=False)
     setattr(param, DECISION_ATTR, decision)
+    setattr(param, TRAINABLE_ATTR, bool(trainable))
     module._parameters[pname] = param
+
+
+def _trainable(param: torch.Tensor) -> bool:
+    """Whether the dense weight ``param`` stands for is trainable (a packed one keeps it in :data:`TRAINABLE_ATTR`)."""
+    return bool(getattr(param, TRAINABLE_ATTR, param.requires_grad))
 
 
 def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decision]:
@@ -96,7 +109,7 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
         decision = Decision("cpu24", reason, max_tokens=max_tokens, isa=isa, ratios=ratios,
                             speedup=ratios[0][1] if ratios else None)
         for _, holder, attr in places:
-            _set(holder, attr, tensor, decision)
+            _set(holder, attr, tensor, decision, param.requires_grad)
         out[name] = decision
     if not out:
         raise ValueError(
@@ -107,12 +120,14 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
 
 
 def unpack_weights(model: nn.Module) -> list[str]:
-    """Give every packed-only weight its dense parameter back (a new tensor each); the names."""
+    """Give every packed-only weight its dense parameter back (a new tensor each); the names. Each is
+    trainable as the weight it replaced was (``requires_grad``: a model's own weights, a loaded
+    checkpoint's too, are; one frozen before :func:`pack_weights` stays frozen)."""
     done = []
     for name, places in owners(model):
         param = places[0][1]._parameters[places[0][2]]
         if isinstance(param, PackedLinearWeight):
-            dense = nn.Parameter(param.dense().contiguous(), requires_grad=False)
+            dense = nn.Parameter(param.dense().contiguous(), requires_grad=getattr(param, TRAINABLE_ATTR, True))
             for _, holder, attr in places:
                 holder._parameters[attr] = dense
             done.append(name)
@@ -125,23 +140,26 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
     finalized 2:4 along ``in``; every other entry as ``load_state_dict(assign=True)`` does, so a
     model built on the meta device works. Returns ``load_state_dict``'s result.
 
-    A packed entry must belong to a 2-D weight of the same shape (``[out, in]``, the values
+    A packed entry must belong to a weight of the same shape (``[out, in]``, the values
     ``[out, in/2]``; an entry packed as its transpose, GPT-2's ``Conv1D``, a weight ``[in, out]``,
-    recorded 2:4 along dim 0); its token range is every count (call :func:`pack_weights` with ``measure``
+    recorded 2:4 along dim 0). Those the kernel does not take (a mixture of experts' 3-D
+    ``[experts, out, in]`` weights, a float64 model) are loaded dense, recorded 2:4 along their last
+    dim, with a warning naming them. A packed weight's token range is every count (call :func:`pack_weights` with ``measure``
     after :func:`unpack_weights` to time it, or compile with the ``nmsparse`` backend).
     """
     if not cpu24.status().available:
         raise RuntimeError(f"load_packed needs the 2:4 CPU kernel, which is not available here: "
                            f"{cpu24.status().reason}; load nmcompile.deploy.unpack_state_dict(state) instead")
-    lost = [key for key in _packed_record(state) or [] if key in state and key + META_SUFFIX not in state]
+    modules = dict(model.named_modules())
+    lost = lost_metadata(state)
+    lost += [key for key in _half_width(state, modules) if key not in lost]
     if lost:
         raise ValueError(
             f"load_packed: the file is damaged: {', '.join(lost)} {'was' if len(lost) == 1 else 'were'} written packed "
             f"but {'its' if len(lost) == 1 else 'their'} {META_SUFFIX} entry is missing; write the checkpoint again "
-            "with nmcompile.deploy.pack_state_dict"
+            "with nmcompile.deploy.pack_state_dict" + ("" if _packed_record(state) is not None else DAMAGED_HINT)
         )
-    modules = dict(model.named_modules())
-    plain, dims = {}, packed_dims(state)
+    plain, dims, held_dense = {}, packed_dims(state), []
     for key, tensor in state.items():
         if key.endswith(META_SUFFIX):
             if key[: -len(META_SUFFIX)] not in state:
@@ -155,26 +173,57 @@ def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: 
         module = modules.get(mname)
         param = None if module is None else module._parameters.get(pname)
         transposed = dims.get(key) == 0
-        shape = (tensor.shape[0], tensor.shape[1] * 2)
+        shape = (*tensor.shape[:-1], tensor.shape[-1] * 2)
         expected = shape[::-1] if transposed else shape
-        if param is None or param.dim() != 2 or tuple(param.shape) != expected:
+        if param is None or tuple(param.shape) != expected:
             layout = " (held as its transpose, GPT-2's Conv1D)" if transposed else ""
             raise ValueError(
-                f"load_packed: {key} holds a packed 2:4 weight of shape [{expected[0]}, {expected[1]}]{layout}, but "
+                f"load_packed: {key} holds a packed 2:4 weight of shape {list(expected)}{layout}, but "
                 f"the model's {key} is {None if param is None else list(param.shape)}"
             )
+        dtype = tensor.dtype if param.is_meta else param.dtype
+        why = (f"a {len(shape)}-D weight: the 2:4 CPU kernel takes 2-D linear weights" if len(shape) != 2 else
+               None if dtype in cpu24.DTYPES else f"{dtype}: the 2:4 CPU kernel takes float32, bfloat16 and float16")
+        if why is not None:  # e.g. a mixture of experts' [experts, out, in] weights: loaded dense, recorded 2:4
+            dense = unpack(Packed24(tensor, meta))
+            plain[key] = (dense.t() if transposed else dense).contiguous().to(dtype)
+            held_dense.append(f"{key} ({why})")
+            records.put(module, DEPLOYED, pname, _deployed(0 if transposed else -1 if len(shape) > 2 else 1))
+            continue
         weight = PackedLinearWeight.from_packed(tensor, meta)
-        weight = weight._with(values=weight.values.to(param.dtype)) if param.dtype != tensor.dtype and not param.is_meta else weight
+        weight = weight.to(dtype) if dtype != tensor.dtype else weight
         if transposed:
             weight = weight._with(transposed=True)
         _set(module, pname, weight, Decision("cpu24", "packed only, loaded (every token count, not timed)",
-                                             isa=weight.isa))
+                                             isa=weight.isa), _trainable(param))
         records.put(module, DEPLOYED, pname, _deployed(0 if transposed else 1))
+    if held_dense:
+        warnings.warn("nmcompile.deploy.load_packed: these 2:4 weights are loaded dense (recorded 2:4), the 2:4 CPU "
+                      "kernel does not take them: " + ", ".join(held_dense), stacklevel=2)
     missing_packed = [k for k in model.state_dict() if k not in plain and k + META_SUFFIX not in state]
     result = model.load_state_dict(plain, strict=False, assign=True)
     if strict and (missing_packed or result.unexpected_keys):
         raise RuntimeError(f"load_packed: missing keys {missing_packed}, unexpected keys {result.unexpected_keys}")
     return result
+
+
+def _half_width(state: Mapping, modules: dict) -> list[str]:
+    """Entries without metadata, in a dict that holds packed ones, whose shape is that of the model's weight
+    with half its last dim (or, 2-D, half its first: a transposed one): packed values that lost their metadata."""
+    if not any(key.endswith(META_SUFFIX) for key in state):
+        return []
+    found = []
+    for key, tensor in state.items():
+        if key.endswith(META_SUFFIX) or key + META_SUFFIX in state or not isinstance(tensor, torch.Tensor):
+            continue
+        mname, _, pname = key.rpartition(".")
+        param = getattr(modules.get(mname), "_parameters", {}).get(pname)
+        if param is None or param.dim() < 2 or tensor.dim() != param.dim() or tensor.shape[-1] * 2 not in param.shape[-1:] + param.shape[:1]:
+            continue
+        shape = tuple(param.shape)
+        if tuple(tensor.shape) in ((*shape[:-1], shape[-1] // 2), (shape[-1], shape[0] // 2) if len(shape) == 2 else ()):
+            found.append(key)
+    return found
 
 
 def _deployed(dim: int = 1):

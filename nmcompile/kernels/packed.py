@@ -23,12 +23,17 @@ import torch
 
 from .. import masks
 
-__all__ = ["Packed24", "pack", "unpack", "cutlass_meta", "row_meta", "pack_state_dict", "unpack_state_dict", "packed_dims"]
+__all__ = ["Packed24", "pack", "unpack", "cutlass_meta", "row_meta", "pack_state_dict", "unpack_state_dict", "packed_dims",
+           "lost_metadata"]
 
 META_SUFFIX = ".nm24_meta"
 #: the entry of a packed state dict's ``_metadata`` that lists its packed weights (see :func:`pack_state_dict`)
 PACKED_RECORD = "nmcompile.nm24"
 GROUPS_PER_WORD = 4
+#: said where a dict without :func:`pack_state_dict`'s record is found damaged by its entries alone
+DAMAGED_HINT = (" (found from the entries: the dict has no record of what was packed, which a dict rebuilt by a "
+                "comprehension loses; a dense weight that only looks like a packed one loads where the record is kept: "
+                "new = type(state)(...); new._metadata = state._metadata)")
 #: the multiples CUTLASS's metadata order takes: rows by 32 (its row interleave) and the last dim
 #: by 32 (two 16-bit words of four groups each: the words are swapped in pairs of columns and
 #: stored ColumnMajorInterleaved<2>, so a last dim of 16 times an odd number has no place in it)
@@ -279,15 +284,40 @@ def pack_state_dict(state: Mapping[str, torch.Tensor], names=None, *, dims: Mapp
     return _with_metadata(out, state, packed_names, transposed_names)
 
 
+def _siblings(name: str) -> str:
+    """``name`` with its numeric components (block and layer indices) as ``#``."""
+    return ".".join("#" if part.isdigit() else part for part in name.split("."))
+
+
+def lost_metadata(state: Mapping) -> list[str]:
+    """The entries of a packed state dict that were written packed but lost their ``.nm24_meta`` entry.
+
+    Where the dict carries :func:`pack_state_dict`'s record (``_metadata``), the names it records.
+    Without it (a dict rebuilt by a comprehension or ``dict(state)``), from the entries themselves: an
+    entry without metadata that has the shape and dtype of the values of a packed entry whose name
+    differs from its own only in numeric components (the same layer of another block: ``layers.3.q.weight``
+    beside a packed ``layers.2.q.weight``; a dense one has twice the values' last dim)."""
+    recorded = _packed_record(state)
+    if recorded is not None:
+        return [key for key in recorded if key in state and key + META_SUFFIX not in state]
+    packed: dict[str, set] = {}
+    for key in state:
+        values = state.get(key[: -len(META_SUFFIX)]) if key.endswith(META_SUFFIX) else None
+        if isinstance(values, torch.Tensor):
+            packed.setdefault(_siblings(key[: -len(META_SUFFIX)]), set()).add((tuple(values.shape), values.dtype))
+    return [key for key, tensor in state.items()
+            if isinstance(tensor, torch.Tensor) and not key.endswith(META_SUFFIX) and key + META_SUFFIX not in state
+            and (tuple(tensor.shape), tensor.dtype) in packed.get(_siblings(key), ())]
+
+
 def unpack_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The dense state dict that :func:`pack_state_dict` packed (loads into the plain model); weights
     packed as their transpose are given back in their own layout (``[in, out]`` for GPT-2's ``Conv1D``).
 
-    Raises ValueError for a damaged file: a metadata entry without its values, or a weight that
-    :func:`pack_state_dict` recorded as packed whose metadata is missing (its half-width values
-    would otherwise pass as a dense weight)."""
-    recorded = _packed_record(state) or []
-    lost = [key for key in recorded if key in state and key + META_SUFFIX not in state]
+    Raises ValueError for a damaged file: a metadata entry without its values, or a weight written
+    packed whose metadata is missing (:func:`lost_metadata`; its half-width values would otherwise
+    pass as a dense weight)."""
+    lost = lost_metadata(state)
     orphans = [key for key in state if key.endswith(META_SUFFIX) and key[: -len(META_SUFFIX)] not in state]
     if lost or orphans:
         problems = [f"{key} was written packed but its metadata {key}{META_SUFFIX} is missing" for key in lost]
@@ -295,6 +325,7 @@ def unpack_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
         raise ValueError(
             f"unpack_state_dict: the packed state dict is damaged: {'; '.join(problems[:3])}"
             f"{' ...' if len(problems) > 3 else ''}. Write it again with nmcompile.deploy.pack_state_dict(model.state_dict())"
+            + ("" if _packed_record(state) is not None else DAMAGED_HINT)
         )
     out, dims = {}, packed_dims(state)
     for key, tensor in state.items():

@@ -52,8 +52,22 @@ def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
                 decision = Decision("dense", f"N:M along dim {record.dim} but its GEMM reduces dim {reduced}")
             else:
                 weight = param.detach()
-                decision = qualify(weight.t() if transposed else weight, ctx.deploy_kernel)
+                decision = _forced(qualify, weight.t() if transposed else weight, ctx.deploy_kernel,
+                                   _sources.parameter_fqn(source))
         bias = _bias_of(linear[0], node) if linear else None  # for timing; each call keeps its own bias
         fqn = _sources.parameter_fqn(source)
         ctx.deployed.append(DeployTarget(node, fqn, param, bias, linear, decision, transposed))
     return len(ctx.deployed)
+
+
+def _forced(rule, weight, kernel: str, fqn: str) -> Decision:
+    """``rule(weight, kernel)``; where a forced kernel cannot take the layer, the error names the layer and the fix."""
+    try:
+        return rule(weight, kernel)
+    except ValueError as err:
+        out_f, in_f = weight.shape
+        pad = ", or pad its features to a multiple of 16" if "multiple of 16" in str(err) else ""
+        raise ValueError(
+            f"{fqn} ([{out_f}, {in_f}]): {err}. Compile with deploy_kernel='auto', which keeps such a layer dense and "
+            f"names it in nmcompile.deploy_report{pad}"
+        ) from err

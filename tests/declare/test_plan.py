@@ -146,3 +146,21 @@ def test_reannotating_with_same_recipe_keeps_state():
     assert torch.equal(lin.weight_nm_beta, beta)  # beta is computed once
     nmcompile.annotate(lin, "ste")
     assert "weight_nm_beta" not in dict(lin.named_buffers())
+
+
+def test_a_filter_glob_that_matches_nothing_is_named_with_the_closest_names():
+    import warnings
+
+    wrapper = nn.Module()
+    wrapper.module = nn.Sequential()
+    wrapper.module.fc1, wrapper.module.fc3 = nn.Linear(64, 64), nn.Linear(64, 64)
+    with pytest.warns(UserWarning, match=r"exclude glob 'fc3' matches no parameter or module name; it is the end of "
+                                         r"'module.fc3': .* write '\*.fc3'"):
+        report = nmcompile.annotate(wrapper, "sr_ste:2:4", exclude=["fc3"])
+    assert "module.fc3.weight" in report.annotated  # the glob excluded nothing
+    with pytest.warns(UserWarning, match=r"include glob 'module.fc4' matches no .*closest names: 'module.fc3'"):
+        nmcompile.annotate(wrapper, "sr_ste:2:4", include=["module.fc1", "module.fc4"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = nmcompile.annotate(wrapper, "sr_ste:2:4", exclude=["*.fc3"])
+    assert list(report.annotated) == ["module.fc1.weight"]

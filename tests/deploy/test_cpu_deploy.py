@@ -242,3 +242,43 @@ def test_a_build_that_fails_is_reported_with_the_compilers_message(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "dense: building the 2:4 CPU kernel failed" in done.stdout and "made to fail" in done.stdout, done.stdout
+
+
+def _change_weight(model, route):
+    """Give ``model[0].weight`` new 2:4 values through ``route``, none of which PyTorch counts as a version."""
+    from nmcompile import masks
+
+    weight = model[0].weight
+    new = masks.prune(torch.randn_like(weight), 2, 4, 1)
+    if route == "data.copy_":
+        weight.data.copy_(new)
+    elif route == "data =":
+        weight.data = new
+    else:
+        vector = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+        vector[: new.numel()] = new.flatten()
+        torch.nn.utils.vector_to_parameters(vector, model.parameters())
+
+
+@needs_kernel
+@pytest.mark.parametrize("route", ["data.copy_", "data =", "vector_to_parameters"])
+def test_a_weight_changed_behind_the_version_counter_is_packed_again(route):
+    model = finalized()
+    compiled, graphs = spy(model, deploy_kernel="cpu24")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        compiled(x)
+        _change_weight(model, route)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert len(cpu_calls(graphs)) == 2  # still the kernel, on the new weight
+
+
+@needs_kernel
+def test_a_forced_kernel_that_cannot_take_a_layer_names_it_and_the_fix():
+    model = finalized(widths=(20, 32, 20))  # 0: in_features 20; 2: [20, 32] fits
+    with pytest.raises(Exception, match=r"0\.weight \(\[32, 20\]\): deploy_kernel='cpu24' cannot be used: in_features "
+                                        r"20 .*deploy_kernel='auto'.*deploy_report, or pad"):
+        rewritten_calls(model, torch.randn(3, 20), deploy_kernel="cpu24")
+    torch._dynamo.reset()
+    rewritten_calls(model, torch.randn(3, 20), deploy_kernel="auto")  # the fix it names compiles
+    assert nmcompile.deploy_report(model)["0.weight"].kernel == "dense"

@@ -275,3 +275,15 @@ def test_gpu_measure_times_and_keeps_only_a_faster_kernel():
         measured = measure(decision, role, rows=1024, cols=1024, n=4096, dtype=torch.bfloat16, device="cuda")
         assert measured.speedup is not None and measured.speedup > 0
         assert measured.sparse == (measured.speedup > 1.02), measured
+
+
+def test_the_recipes_doc_gives_the_reference_kernel_s_alignment_as_the_code_does():
+    import re
+    from pathlib import Path
+
+    from nmcompile.kernels.training import ALIGNMENT, misaligned
+
+    text = " ".join((Path(__file__).parents[2] / "docs" / "recipes.md").read_text().split())
+    rows, cols = map(int, re.search(r"the reference kernel (\d+) x (\d+)", text).groups())
+    assert (rows, cols) == ALIGNMENT["reference"][:2]
+    assert misaligned("reference", rows, cols, 8) is None and misaligned("reference", rows, cols // 2, 8) is not None
