@@ -276,3 +276,17 @@ def magnitude_2_4(model):
             if dim is not None:
                 weight.copy_(nmcompile.masks.prune(weight, 2, 4, dim))
     return nmcompile.finalize(model.eval(), pattern="2:4")
+
+
+def packed_test_build():
+    """Three linears and a head: the small model the packed-weight tests pack."""
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48), nn.Linear(48, 10))
+
+
+def packed_test_model(dtype=torch.float32):
+    """:func:`packed_test_build`, its three linears finalized 2:4 with sr_ste (the head stays dense)."""
+    torch.manual_seed(0)
+    model = packed_test_build()
+    nmcompile.annotate(model, "sr_ste:2:4", exclude=["3.*"])
+    nmcompile.finalize(model)
+    return model.to(dtype).eval()

@@ -17,19 +17,11 @@ import nmcompile
 from nmcompile.deploy import PackedLinearWeight, load_packed, pack_state_dict, pack_weights, unpack_weights
 from nmcompile.kernels import cpu24
 
+from models import packed_test_model as finalized, packed_test_build as build  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
 
 
-def build():
-    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48), nn.Linear(48, 10))
-
-
-def finalized(dtype=torch.float32):
-    torch.manual_seed(0)
-    model = build()
-    nmcompile.annotate(model, "sr_ste:2:4", exclude=["3.*"])  # the head stays dense
-    nmcompile.finalize(model)
-    return model.to(dtype).eval()
 
 
 def dense_bytes(model, names):
