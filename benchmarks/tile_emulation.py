@@ -14,9 +14,11 @@ Written from PyTorch's CUDA source, ``aten/src/ATen/native/sparse/cuda/ComputeSp
 
 The kernel ranks with a sorting network (``StaticSort``); the order it gives equal keys is not
 emulated: ``ties`` picks one, ``"last"`` (of equal keys, the later position in the tile, row-major,
-is visited first: what a stable ascending sort read from its end gives) or ``"first"``. Ties
-matter only between equal values (zeros, mostly): under ``AbsOp`` the non-zeros of a tile are all
-visited before its zeros, so which non-zeros are kept does not depend on the tie order.
+is visited first: what a stable ascending sort read from its end gives, and what reproduces the
+4x4 example in PyTorch's ``prune_dense_static_sort`` docstring) or ``"first"``. Ties are between
+equal keys: zeros, and in bf16 the odd pair of equal magnitudes. Under ``AbsOp`` the non-zeros of a
+tile are visited before its zeros, and a transposable mask's non-zeros all fit, so which of them
+are kept does not depend on the tie order.
 
     python benchmarks/tile_emulation.py     # kept shares on masked 512 x 512 weights, a few seconds
 """
