@@ -250,6 +250,9 @@ def run(args) -> dict:
                 fns.pop(name, None)
                 compiled[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             print(f"{name}: {compiled[name]}", flush=True)
+        result["compiled"] = compiled
+        if args.out:  # what compiled so far, should the timed rounds not finish
+            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         from _gpu_timing import time_synchronized
 
         samples = time_synchronized(fns, reps=args.reps, warmup=args.warmup, device=device)
