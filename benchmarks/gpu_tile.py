@@ -1,6 +1,6 @@
 """The tile experiment: can ``torch._sparse_semi_structured_tile`` stand in for ``torch._cslt_compress`` here?
 
-    python benchmarks/gpu_tile.py --out results/gpu_tile.json            # about 2 minutes on one GPU
+    python benchmarks/gpu_tile.py --out results/gpu_tile.json            # one GPU (never timed yet)
     python benchmarks/gpu_tile.py --quick --out /tmp/gpu_tile.json        # three shapes
 
 One call of the tile op (``use_cutlass=False``) gives a 2:4 weight compressed for cuSPARSELt in both
