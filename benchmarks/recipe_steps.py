@@ -225,7 +225,7 @@ def run(args) -> dict:
     fns, compiled, slowest = {}, {}, 0.0
     torch._dynamo.reset()
     # one code object (Decoder.forward) compiled once per variant: past Dynamo's recompile limit
-    # (8) a variant would silently run eager, so the limit is raised here and a hit is an error
+    # (8) a variant would run eager with only a logged warning, so the limit is raised here and a hit is an error
     limits = {k: v for k, v in (("recompile_limit", 4 * len(names)), ("fail_on_recompile_limit_hit", True))
               if hasattr(torch._dynamo.config, k)}
     with torch._dynamo.config.patch(**limits):
