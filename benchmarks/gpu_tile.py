@@ -181,7 +181,9 @@ def one_case(w: torch.Tensor, kind: str, algorithm: str, x: torch.Tensor, g: tor
     return row
 
 
-def tile_rows(shapes, device: str = "cuda", tokens: int = 256, masks=MASKS, algorithms=ALGORITHMS) -> list[dict]:
+def tile_rows(shapes, device: str = "cuda", tokens: int = 256, masks=MASKS, algorithms=ALGORITHMS,
+              on_shape=None) -> list[dict]:
+    """Every case of every shape; ``on_shape(rows so far)`` after each shape (to save them)."""
     rows = []
     for out_f, in_f in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
@@ -198,6 +200,8 @@ def tile_rows(shapes, device: str = "cuda", tokens: int = 256, masks=MASKS, algo
         del base, x, g
         if device == "cuda":
             torch.cuda.empty_cache()
+        if on_shape is not None:
+            on_shape(rows)
     return rows
 
 
@@ -303,8 +307,11 @@ def main(argv=None) -> int:
     result = {"env": env_info(), "tokens": args.tokens, "tolerance": TOLERANCE}
     print(" | ".join(f"{k}: {v}" for k, v in result["env"].items()), flush=True)
     started = time.monotonic()
+    def save(rows):  # after each shape: a timeout later keeps what was answered
+        out.write_text(json.dumps({**result, "cases": rows}, indent=1))
+
     try:
-        result["cases"] = tile_rows(shapes, "cuda", args.tokens)
+        result["cases"] = tile_rows(shapes, "cuda", args.tokens, on_shape=save)
     except Exception as exc:  # e.g. out of memory: what ran is kept in the printed lines
         result["cases_error"] = _short(exc)
         print(result["cases_error"], flush=True)
