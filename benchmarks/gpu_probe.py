@@ -7,7 +7,9 @@
 the training op makes per transposable weight and step? For a weight under a transposable 2:4 mask, it
 asks whether the kernel keeps exactly the mask (the compressed buffers equal ``_cslt_compress``'s, the
 products equal the dense ones), and times both under CUDA graph replay. For an MVUE-pruned gradient
-(2:4 along one dim only) it reports the share of non-zeros the kernel would drop.
+(2:4 along one dim only) it reports the share of non-zeros the kernel would drop. Its algorithm ``""``
+ranks signed values and re-prunes a masked weight; ``gpu_tile.py`` asks the question in full (with
+``"largest_abs_values_greedy"``, the values and metadata regions apart, both product orientations).
 
 ``deploy``: where the compiled deploy of one 2:4 linear spends its GPU time under
 ``mode="reduce-overhead"`` against the raw ``torch._cslt_sparse_mm`` call (CUDA kernels from the profiler).
