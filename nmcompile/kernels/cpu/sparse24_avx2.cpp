@@ -91,7 +91,7 @@ struct Avx2 {
   using XV = Pair;
   using WV = Pair;
   using Acc = __m256;
-  static constexpr int WORDS = 1, R = R_, TT = TT_;
+  static constexpr int WORDS = 1, R = R_, TT = TT_, STREAMS = 4;
   static inline Acc zero() { return _mm256_setzero_ps(); }
   static inline XV load_x(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static inline WV expand(const W* v, const uint16_t* b, int64_t) {

@@ -52,7 +52,7 @@ struct Emulated512 {
   using XV = Vec<16>;
   using WV = Vec<16>;
   using Acc = Vec<16>;
-  static constexpr int WORDS = 1, R = R_, TT = TT_;
+  static constexpr int WORDS = 1, R = R_, TT = TT_, STREAMS = 1;  // as sparse24_avx512.cpp
   static inline Acc zero() { return Acc{}; }
   static inline XV load_x(const float* p) { XV x; std::memcpy(x.v, p, sizeof x.v); return x; }
   static inline WV expand(const W* v, const uint16_t* b, int64_t) {
@@ -82,7 +82,7 @@ struct Emulated512Bf16 {
   using XV = V32;
   using WV = V32;
   using Acc = Vec<16>;
-  static constexpr int WORDS = 2, R = 4, TT = 4;
+  static constexpr int WORDS = 2, R = 4, TT = 4, STREAMS = 1;
   static inline Acc zero() { return Acc{}; }
   static inline XV load_x(const uint16_t* p) { XV x; std::memcpy(x.v, p, sizeof x.v); return x; }
   static inline WV expand(const uint16_t* v, const uint16_t* b, int64_t words_left) {
