@@ -639,7 +639,27 @@ def targets(result: dict) -> list[str]:
             extra = by[("2:4", "second")] - by[("dense", "second")]
             lines.append(f"| {d}: first call of 2:4 <= dense's + 10 s, second process | {by[('2:4', 'second')]:.1f} s "
                          f"against {by[('dense', 'second')]:.1f} s, {extra:+.1f} s | {ok(extra <= 10)} |")
+    lines += _prune_targets(result)
     return lines if len(lines) > 2 else []
+
+
+def _prune_targets(result: dict) -> list[str]:
+    """The 1B prune's targets: sequential at most 1.3x one pass's time, its peak RSS at most the
+    model's bf16 bytes plus 3 GB."""
+    runs = {r["mode"]: r for r in result.get("prune", {}).get("runs", []) if "skipped" not in r}
+    seq, one = runs.get("sequential"), runs.get("one pass")
+    if seq is None:
+        return []
+    ok = {True: "met", False: "**missed**"}
+    lines = []
+    if one is not None:
+        ratio = seq["wall_s"] / one["wall_s"]
+        lines.append(f"| prune: sequential <= 1.3x the time of one pass | {seq['wall_s']:.0f} s against "
+                     f"{one['wall_s']:.0f} s, {ratio:.2f}x | {ok[ratio <= 1.3]} |")
+    limit_mb = (2 * result["model"]["parameters"] + 3e9) / 2**20
+    lines.append(f"| prune, sequential: peak RSS <= the model's bf16 bytes + 3 GB ({limit_mb:.0f} MB) | "
+                 f"{seq['peak_rss_mb']:.0f} MB | {ok[seq['peak_rss_mb'] <= limit_mb]} |")
+    return lines
 
 
 def render(result: dict) -> str:

@@ -79,3 +79,19 @@ def test_the_24_model_and_an_eager_decode_row(scripts, tmp_path):
               "model": {"parameters": 1, "layers": 2, "tied": True}, "decode": json.loads(json.dumps(rows))}
     text = real_scale.render(result)
     assert "| dense eager 1t" in text and "bytes bound" in text and "resident parameters within 0.02" in text
+
+
+def test_prune_targets_judge_the_sequential_time_and_peak(scripts):
+    """The prune rows of the target table: sequential against one pass's time (at most 1.3x), and the
+    sequential peak against the model's bf16 bytes plus 3 GB."""
+    _, real_scale = scripts
+    result = {"model": {"parameters": 1_000_000_000}, "prune": {"runs": [
+        {"mode": "one pass", "wall_s": 100.0, "peak_rss_mb": 9000.0},
+        {"mode": "sequential", "wall_s": 125.0, "peak_rss_mb": 4700.0}]}}
+    rows = real_scale.targets(result)
+    assert any("1.25x | met" in row for row in rows) and any("4700 MB | met" in row for row in rows)
+    result["prune"]["runs"][1].update(wall_s=140.0, peak_rss_mb=4800.0)  # limit: 5e9 bytes = 4768 MB
+    rows = real_scale.targets(result)
+    assert any("1.40x | **missed**" in row for row in rows) and any("4800 MB | **missed**" in row for row in rows)
+    result["prune"]["runs"] = [{"mode": "one pass", "wall_s": 100.0, "peak_rss_mb": 9000.0}]
+    assert real_scale.targets(result) == []
