@@ -13,8 +13,8 @@ time a process asks for them, into PyTorch's extension cache (``TORCH_EXTENSIONS
 - ``nmsparse::cpu24_unpack(values, bits)``: the dense weight;
 - ``nmsparse::cpu24_isa()``: what this CPU runs (:data:`ISAS`);
 - ``nmsparse::cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us, route)``: the
-  sparse product with one thread slowed down, the row chunks each thread computed and the route
-  taken (tests of the split).
+  sparse product with one thread slowed down, the row chunks each thread computed, the route
+  taken and the calls left that take the pool after it (tests of the split).
 
 Threads (up to ``torch.get_num_threads()``) claim small chunks of row groups as they finish
 (``cpu/sparse24_split.h``), so a thread whose core is busy with another process takes fewer chunks

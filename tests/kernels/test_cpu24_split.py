@@ -3,7 +3,7 @@
 
 A row's result depends only on its own tile, so 1 and 2 threads give bitwise equal outputs. The
 slowed thread comes from ``nmsparse::cpu24_split_probe`` (the same product, one thread sleeping before
-each chunk it claims, each thread's chunk count and the route returned): a static half each would
+each chunk it claims, each thread's chunk count, the route and the pool calls left returned): a static half each would
 count equal. Routes: 1 the OpenMP team, 2 the caller plus inter-op pool tasks (taken for a while after
 an OpenMP call kept its caller waiting).
 """
@@ -56,13 +56,13 @@ def test_a_slowed_thread_takes_few_chunks_and_the_result_is_unchanged(slow_threa
     isa = cpu24.best_isa(torch.float32)
     x = torch.randn(1, 256)
     expected = product(1, x, values, bits, 1024, isa)
-    quiet, counts, taken = probe(2, x, values, bits, 1024, isa, route=route)
+    quiet, counts, taken, _ = probe(2, x, values, bits, 1024, isa, route=route)
     if len(counts) != 2 or taken != route:
         pytest.skip(f"the split ran on {len(counts)} thread(s) by route {taken} for 2 by route {route} (a forked "
                     "child, or inside a parallel region)")
     assert torch.equal(quiet, expected) and int(counts.sum()) == 64
     # the slowed thread sleeps 5 ms before each chunk it claims; each chunk is microseconds of work
-    out, counts, _ = probe(2, x, values, bits, 1024, isa, slow_thread, 5000, route)
+    out, counts, _, _ = probe(2, x, values, bits, 1024, isa, slow_thread, 5000, route)
     assert torch.equal(out, expected)
     fast = 1 - slow_thread
     assert int(counts.sum()) == 64 and counts[fast] >= 48, counts.tolist()  # a static split: 32 each
@@ -72,19 +72,24 @@ def test_an_openmp_team_that_keeps_the_caller_waiting_sends_the_next_calls_to_th
     values, bits = layout(2048, 2048)  # 64 chunks of about 25 us: the worker starts before they run out
     isa = cpu24.best_isa(torch.float32)
     x = torch.randn(1, 2048)
-    # the OpenMP worker sleeps 5 ms before each chunk it claims: the caller waits for it (over 0.5 ms)
-    _, counts, taken = probe(2, x, values, bits, 2048, isa, 1, 5000, route=1)
-    if len(counts) != 2:
-        pytest.skip(f"the split ran on {len(counts)} thread(s) for 2")
-    assert taken == 1
-    routes = [probe(2, x, values, bits, 2048, isa)[2] for _ in range(130)]
-    # 128 calls on the pool, then the team is tried again (and, on quiet cores, kept)
-    assert routes[:128] == [2] * 128 and routes[128] == 1, routes
+    # the OpenMP worker sleeps 5 ms before each chunk it claims: the caller waits for it (over 0.5 ms),
+    # unless the caller itself lost its core for as long (shared cores): then the call is tried again
+    for _ in range(5):
+        _, counts, taken, left = probe(2, x, values, bits, 2048, isa, 1, 5000, route=1)
+        if len(counts) != 2:
+            pytest.skip(f"the split ran on {len(counts)} thread(s) for 2")
+        assert taken == 1
+        if left == 128:
+            break
+    assert left == 128, "no OpenMP call kept its caller waiting 0.5 ms in 5 tries"
+    calls = [probe(2, x, values, bits, 2048, isa)[2:] for _ in range(130)]
+    # 128 calls on the pool, each counting down, then the team is tried again
+    assert calls[:128] == [(2, left) for left in range(127, -1, -1)] and calls[128][0] == 1, calls
 
 
 def test_a_layer_too_small_to_split_stays_on_one_thread():
     values, bits = layout(56, 64)  # 7 groups: under the 8 a thread takes at least
-    out, counts, taken = probe(2, torch.randn(3, 64), values, bits, 56, cpu24.best_isa(torch.float32))
+    out, counts, taken, _ = probe(2, torch.randn(3, 64), values, bits, 56, cpu24.best_isa(torch.float32))
     assert counts.tolist() == [1] and taken == 0 and out.shape == (3, 56)
 
 
@@ -111,10 +116,10 @@ values, bits = cpu24.cpu_layout(p.values, p.meta)
 x = torch.randn(1, 256)
 torch.set_num_threads(2)
 isa = cpu24.best_isa(torch.float32)
-out, counts, route = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0, 2)
+out, counts, route, _ = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0, 2)
 pid = os.fork()
 if pid == 0:  # the inter-op pool's threads are not copied: the caller computes alone, exactly
-    child, child_counts, child_route = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0, 2)
+    child, child_counts, child_route, _ = torch.ops.nmsparse.cpu24_split_probe(x, values, bits, 1024, isa, -1, 0, 2)
     os._exit(0 if torch.equal(child, out) and child_route == 0 and child_counts.tolist() == [1] else 3)
 _, status = os.waitpid(pid, 0)
 print(len(counts), route, os.waitstatus_to_exitcode(status))

@@ -7,7 +7,7 @@
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
 //   cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us, route) -> (out, chunks per
-//     thread, route): the sparse product with one thread slowed down, for tests of the work split
+//     thread, route, pool calls left): the sparse product with one thread slowed down, for tests of the work split
 //     (sparse24_split.h).
 #include <cpuid.h>
 #include <unistd.h>
@@ -191,9 +191,10 @@ at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at:
 
 // cpu24_linear's sparse product with thread `slow_thread` (0 the caller, 1.. the others) sleeping
 // slow_us before each chunk it claims, on `route` (-1 as a real call decides, 1 the OpenMP team, 2
-// the inter-op pool); returns the output, the chunks each thread computed and the route taken (0
-// one thread, 1, 2): tests of the work split (sparse24_split.h)
-std::tuple<at::Tensor, at::Tensor, int64_t> cpu24_split_probe(const at::Tensor& x, const at::Tensor& values,
+// the inter-op pool); returns the output, the chunks each thread computed, the route taken (0 one
+// thread, 1, 2) and the calls left that take the pool after this one: tests of the work split
+// (sparse24_split.h)
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> cpu24_split_probe(const at::Tensor& x, const at::Tensor& values,
                                                               const at::Tensor& bits, int64_t n, c10::string_view isa_name,
                                                               int64_t slow_thread, int64_t slow_us, int64_t route) {
   check_layout(values, bits, n);
@@ -204,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> cpu24_split_probe(const at::Tensor& 
   probe.slow_us = slow_us;
   probe.route = route;
   auto out = sparse_product(x, values, bits, c10::nullopt, n, isa_name, &probe);
-  return {out, at::tensor(probe.chunks, at::kLong), probe.route};
+  return {out, at::tensor(probe.chunks, at::kLong), probe.route, probe.pool_calls_left};
 }
 
 }  // namespace
@@ -213,7 +214,7 @@ TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
   m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
   m.def("cpu24_isa() -> int");
-  m.def("cpu24_split_probe(Tensor x, Tensor values, Tensor bits, int out_features, str isa, int slow_thread, int slow_us, int route) -> (Tensor, Tensor, int)");
+  m.def("cpu24_split_probe(Tensor x, Tensor values, Tensor bits, int out_features, str isa, int slow_thread, int slow_us, int route) -> (Tensor, Tensor, int, int)");
 }
 
 TORCH_LIBRARY_IMPL(nmsparse, CPU, m) {

@@ -47,6 +47,7 @@ struct SplitProbe {
   int64_t slow_us = 0;
   int64_t route = -1;           // in: -1 as a real call decides, 1 OpenMP, 2 the pool; out: 0 one thread, 1, 2
   std::vector<int64_t> chunks;  // per thread: 0 the caller, 1.. the others
+  int64_t pool_calls_left = 0;  // out: the calls left that take the pool, after this one
 };
 
 // a thread takes at least this many groups (small layers stay on one thread)
@@ -171,7 +172,7 @@ inline void nm24_split(Nm24Rows rows, const Nm24Args& a, int64_t groups, SplitPr
   if (probe) probe->chunks.assign(workers, 0);
   if (workers == 1) {
     rows(a, 0, groups * NM24_GROUP);
-    if (probe) probe->chunks[0] = groups > 0, probe->route = 0;
+    if (probe) probe->chunks[0] = groups > 0, probe->route = 0, probe->pool_calls_left = pool_calls_left().load();
     return;
   }
   auto job = std::make_shared<SplitJob>();
@@ -190,6 +191,7 @@ inline void nm24_split(Nm24Rows rows, const Nm24Args& a, int64_t groups, SplitPr
   } else if (split_openmp(*job, workers) >= kLateWait) {
     left.store(kPoolCalls, std::memory_order_relaxed);
   }
+  if (probe) probe->pool_calls_left = left.load(std::memory_order_relaxed);
 }
 
 }  // namespace
