@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .. import ops
 from ..declare.plan import Plan
 from ..recipes.base import nearest
 
@@ -62,19 +61,19 @@ class Inner:
         kernels' host work is not paid per call: the kernel decisions then time GPU work alone."""
         return self.name == "inductor" and bool(self.patches.get("triton.cudagraphs", False))
 
-    def shared_projections(self, gm: fx.GraphModule, example_inputs):
-        """Which projections call a shared kernel: a predicate on their signatures, or None."""
+    def shared_projections(self, gm: fx.GraphModule, example_inputs) -> str | tuple | None:
+        """Which projections call a shared kernel: ``"all"``, a tuple of their signatures, or None."""
         if self.name != "inductor" or self.projections == "inline":
             return None
         if self.projections == "shared":
-            return lambda signature: True
+            return "all"
         on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
         if not on_cpu or self.patches:
             return None
         from ..kernels.shared import repeated_signatures
 
         repeated = repeated_signatures(gm)
-        return repeated.__contains__ if repeated else None
+        return tuple(sorted(repeated, key=repr)) if repeated else None
 
     def compile(self, gm: fx.GraphModule, example_inputs, plan_key: str = "", extra_outputs: int = 0):
         """``gm`` compiled; its last ``extra_outputs`` outputs (added by the passes) are dropped."""
@@ -83,19 +82,14 @@ class Inner:
         elif self.name == "aot_eager":
             compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
         else:
-            from torch._inductor.compile_fx import compile_fx, select_decomp_table
+            from torch._inductor.compile_fx import compile_fx
 
-            from ..kernels.inductor import with_cache_key
+            from ..kernels.inductor import Decompositions, with_cache_key
 
-            decompositions = {**select_decomp_table(), **ops.DECOMPOSITIONS}
             share = self.shared_projections(gm, example_inputs)
-            if share is not None:
-                from ..kernels.shared import decompositions as shared
-
-                decompositions.update(shared(share))
-            # in the cache key: "auto" shares the set of signatures its predicate is bound to
-            how = "none" if share is None else getattr(share, "__self__", "all")
-            patches = with_cache_key(self.patches, f"{plan_key}\nshared projections: {how}")
+            decompositions = Decompositions(share)
+            # in the cache key: "auto" shares the signatures it found
+            patches = with_cache_key(self.patches, f"{plan_key}\nshared projections: {share}")
             compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
         if not extra_outputs:
             return compiled

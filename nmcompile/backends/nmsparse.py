@@ -292,7 +292,7 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
 
             record_decisions(ctx)
             example = [*example_inputs, *_static([t for pair in ctx.compressed.values() for t in pair])]
-            key = repr([(t.fqn, t.decision) for t in ctx.deployed])
+            key = repr([(t.fqn, t.decision.graph_key) for t in ctx.deployed])
             return DeployRunner(work, ctx, inner.compile(work, example, key), len(example_inputs))
         compiled = inner.compile(work, list(example_inputs))
         return compiled if driver is None else Holding(compiled, driver)

@@ -54,6 +54,12 @@ class Decision:
         return self.kernel != "dense"
 
     @property
+    def graph_key(self) -> tuple:
+        """What of the decision shapes the compiled graph (the reason and the timings do not: a
+        decision read from the cache compiles to the graph the measured one did)."""
+        return (self.kernel, self.alg_id, self.min_tokens, self.max_tokens, self.isa)
+
+    @property
     def token_range(self) -> str:
         """The token counts that take the sparse kernel, in words."""
         if not self.sparse or self.max_tokens == 0:

@@ -21,6 +21,10 @@ compressed weight of another dtype than the autocast one takes the dense GEMM on
 :class:`CacheKeyPass` is a no-op post-grad pass whose ``uuid()`` hashes nmcompile's version, the
 files that define its ops and passes, and the compile's plan (recipes, kernel decisions), so
 Inductor's FX graph cache and AOTAutograd's cache never serve a graph built by other code.
+:class:`Decompositions` is the table the backend hands Inductor, which pickles as what builds it:
+Inductor pickles the table into its FX graph cache key, and a plain dict of Inductor's own table
+holds functions that do not pickle, so every graph compiled with it bypassed the cache (a second
+process compiled every 2:4 model anew).
 """
 
 from __future__ import annotations
@@ -135,6 +139,33 @@ def _code_hash() -> str:
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+class Decompositions(dict):
+    """Inductor's decompositions, nmcompile's op bodies (:data:`nmcompile.ops.DECOMPOSITIONS`) and,
+    where ``shared`` says, the shared projection kernels (:mod:`nmcompile.kernels.shared`): ``None``
+    none, ``"all"`` every projection, or a tuple of the signatures (without strides) that share.
+
+    It pickles as ``Decompositions(shared)``, so Inductor's cache key holds ``shared`` (its
+    functions are torch's and nmcompile's code, which the key holds already: torch's version and
+    :class:`CacheKeyPass`), and unpickling builds the same table."""
+
+    def __init__(self, shared: str | tuple | None = None):
+        from torch._inductor.compile_fx import select_decomp_table
+
+        from .. import ops
+
+        if not (shared is None or shared == "all" or isinstance(shared, tuple)):
+            raise TypeError(f"Decompositions(shared): None, 'all' or a tuple of signatures, got {shared!r}")
+        super().__init__({**select_decomp_table(), **ops.DECOMPOSITIONS})
+        self.shared = shared
+        if shared is not None:
+            from .shared import decompositions
+
+            self.update(decompositions((lambda sig: True) if shared == "all" else shared.__contains__))
+
+    def __reduce_ex__(self, protocol):
+        return Decompositions, (self.shared,)
 
 
 class CacheKeyPass(CustomGraphPass):

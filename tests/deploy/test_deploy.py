@@ -171,6 +171,42 @@ def test_cache_key_covers_version_code_and_plan():
     assert seen == ["graph"]
 
 
+SECOND_PROCESS = """
+import json, sys, torch, nmcompile
+from torch import nn
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64)).eval()
+nmcompile.annotate(model, "sr_ste:2:4")
+nmcompile.finalize(model, force=sys.argv[1] == "forced")  # forced: packed; measured: timed, cached
+if sys.argv[1] == "forced":
+    nmcompile.deploy.pack_weights(model)
+with torch.no_grad():
+    torch.compile(model, backend="nmsparse")(torch.randn(1, 256))
+print(json.dumps(dict(counters["inductor"])))
+"""
+
+
+@pytest.mark.parametrize("form", ["forced", "measured"])
+def test_a_second_process_takes_the_compiled_graph_from_inductors_cache(tmp_path, form):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "NMCOMPILE_CACHE_DIR": str(tmp_path)}
+    seen = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", SECOND_PROCESS, form], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        seen.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    first, second = seen
+    # nothing in the key may refuse to pickle (the decomposition table once did: every graph bypassed)
+    assert "fxgraph_cache_bypass" not in first and first.get("fxgraph_cache_miss", 0) >= 1, first
+    assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"] and "fxgraph_cache_miss" not in second, second
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cusparselt_rewrite_on_cuda(dtype):

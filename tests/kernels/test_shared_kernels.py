@@ -90,11 +90,10 @@ def test_auto_shares_repeated_signatures_on_the_cpu_without_inductor_settings():
     cpu, other = [torch.zeros(2)], [torch.zeros(2), torch.zeros(2, device="meta")]
     repeated = shared_kernels.repeated_signatures(gm)
     assert [sig[1][1] for sig in repeated] == [(32, 32)]
-    share = Inner().shared_projections(gm, cpu)
-    assert share(next(iter(repeated))) and not share(("nmsparse::prune", ("tensor", (16, 32))))
+    assert Inner().shared_projections(gm, cpu) == tuple(repeated)
     assert Inner().shared_projections(_projections([(32, 32), (16, 32), (32, 32)]), cpu) is None
     assert Inner().shared_projections(gm, other) is None
     assert Inner(patches={"epilogue_fusion": False}).shared_projections(gm, cpu) is None
-    assert Inner(patches={"epilogue_fusion": False}, projections="shared").shared_projections(gm, other)(())
+    assert Inner(patches={"epilogue_fusion": False}, projections="shared").shared_projections(gm, other) == "all"
     assert Inner(projections="inline").shared_projections(gm, cpu) is None
     assert Inner("aot_eager", projections="shared").shared_projections(gm, cpu) is None
