@@ -518,13 +518,31 @@ def firstcall(path: str, dtypes, new_tokens: int, prompt: int) -> dict:
 
 # ----------------------------------------------------------------------------- prune
 
+# the child samples its resident memory every 20 ms and, at each new high (50 MB above the last),
+# notes where the main thread was (its innermost nmcompile/transformers/torch.save frames)
 PRUNE_CHILD = """
-import json, sys, time
+import json, sys, threading, time, traceback
 from nmcompile.app.cli import main
+main_thread = threading.main_thread().ident
+high = {"mb": 0.0, "where": "", "s": 0.0}
+def rss_mb():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")) / 1024
+def watch():
+    while True:
+        mb = rss_mb()
+        if mb > high["mb"] + 50:
+            frames = traceback.extract_stack(sys._current_frames()[main_thread])
+            ours = [f"{f.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{f.lineno} {f.name}"
+                    for f in frames if "nmcompile" in f.filename or "transformers" in f.filename
+                    or "serialization" in f.filename]
+            high.update(mb=mb, where=" < ".join(reversed(ours[-4:])), s=time.perf_counter() - start)
+        time.sleep(0.02)
 start = time.perf_counter()
+threading.Thread(target=watch, daemon=True).start()
 rc = main(["prune", *sys.argv[1:]])
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"rc": rc, "seconds": time.perf_counter() - start, "peak_rss_mb": hwm / 1024}))
+print(json.dumps({"rc": rc, "seconds": time.perf_counter() - start, "peak_rss_mb": hwm / 1024,
+                  "peak_where": high["where"], "peak_at_s": high["s"]}))
 """
 
 
@@ -571,9 +589,11 @@ def prune(path: str, samples: int, seq_len: int, max_gb: float, recipe: str = "s
                 raise RuntimeError(f"nmcompile prune ({name}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
             child = json.loads(lines[-1])
             run = {"mode": name, "wall_s": wall, "cli_s": child["seconds"], "peak_rss_mb": child["peak_rss_mb"],
+                   "peak_where": child["peak_where"], "peak_at_s": child["peak_at_s"],
                    "rc": child["rc"], "estimate_gb": estimate, "summary": lines[:-1]}
             out["runs"].append(run)
-            print(f"  prune {name}: {wall:.1f} s, peak RSS {run['peak_rss_mb']:.0f} MB (rc {run['rc']})", flush=True)
+            print(f"  prune {name}: {wall:.1f} s, peak RSS {run['peak_rss_mb']:.0f} MB (rc {run['rc']}) at "
+                  f"{run['peak_at_s']:.0f} s in {run['peak_where']}", flush=True)
             shutil.rmtree(dest, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -724,12 +744,13 @@ def render(result: dict) -> str:
         lines += [f"`nmcompile prune --recipe {p['recipe']}` on {p['samples']} x {p['seq_len']} random token ids "
                   "(the model in its stored dtype; the wall time includes loading, the held-out loss before and after, and "
                   "writing the pruned directory):", "",
-                  "| calibration | wall s | peak RSS MB |", "| --- | --- | --- |"]
+                  "| calibration | wall s | peak RSS MB | where the peak was reached |", "| --- | --- | --- | --- |"]
         for x in p["runs"]:
             if "skipped" in x:
-                lines.append(f"| {x['mode']} | skipped: {x['skipped']} | |")
+                lines.append(f"| {x['mode']} | skipped: {x['skipped']} | | |")
             else:
-                lines.append(f"| {x['mode']} | {x['wall_s']:.1f} | {x['peak_rss_mb']:.0f} |")
+                where = f"{x['peak_at_s']:.0f} s: `{x['peak_where']}`" if x.get("peak_where") else "not recorded"
+                lines.append(f"| {x['mode']} | {x['wall_s']:.1f} | {x['peak_rss_mb']:.0f} | {where} |")
         lines.append("")
     verdicts = targets(result)
     if verdicts:

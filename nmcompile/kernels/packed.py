@@ -261,20 +261,23 @@ def pack_state_dict(state: Mapping[str, torch.Tensor], names=None, *, dims: Mapp
             if tensor.transposed:
                 transposed_names.append(key)
             continue
-        selected = names is None or key in names
+        selected, asked = names is None or key in names, key in (names or ()) or key in dims
+        if not (selected or asked):  # neither packed nor checked: never read (a 128k-word embedding's count took 3 GB)
+            out[key] = tensor
+            continue
         transposed = isinstance(tensor, torch.Tensor) and _transposed_dim(tensor, dims.get(key, -1))
         candidate = tensor.t() if transposed else tensor
         fits = (
             isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.is_floating_point()
             and candidate.shape[-1] % 16 == 0 and not masks.count_violations(candidate, 2, 4, -1)[0]
         )
-        if (key in (names or ()) or key in dims) and not fits:
+        if asked and not fits:
             along = f"dim {dims[key]}" if key in dims else "its last dim"
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"pack_state_dict: {key!r} {shape} cannot be packed as 2:4 along {along} (it must be "
                              "a floating-point weight, 2:4 along that dim, whose size there is a multiple of 16)")
         if selected and fits:
-            packed = pack(candidate)
+            packed = pack(candidate, check=False)  # fits: counted above
             out[key], out[key + META_SUFFIX] = packed.values, packed.meta
             packed_names.append(key)
             if transposed:

@@ -62,6 +62,15 @@ def test_checkpoint_with_packed_weights_takes_56_percent_of_the_bytes(tmp_path):
     assert nmcompile.check(packed_path).ok  # the checker unpacks
 
 
+def test_named_packing_never_reads_the_tensors_it_leaves_dense():
+    # a model's embedding (128k words) is not named: counting its groups once took 3 GB while saving
+    state = {"proj.weight": pruned((64, 32)), "embed.weight": torch.empty(1 << 20, 64, device="meta")}
+    packed = nmcompile.deploy.pack_state_dict(state, names=["proj.weight"])
+    assert packed["embed.weight"] is state["embed.weight"] and f"proj.weight{META_SUFFIX}" in packed
+    with pytest.raises(RuntimeError, match="meta"):  # what reading it would have done
+        nmcompile.deploy.pack_state_dict(state)
+
+
 def test_bad_input_gets_errors_that_say_how_to_fix_it():
     with pytest.raises(ValueError, match="more than 2 non-zeros.*nmcompile.finalize"):
         nmcompile.pack(torch.randn(4, 16))
