@@ -1,5 +1,11 @@
+import importlib
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,3 +28,13 @@ def _fresh_dynamo(monkeypatch, tmp_path_factory):
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def benchmark_script():
+    """Imports a script of ``benchmarks/`` by name: ``benchmark_script("real_scale")`` (its path:
+    the module's ``__file__``). The folder goes on ``sys.path`` after the installed packages, for the
+    session: the scripts import each other by name."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
+    return importlib.import_module

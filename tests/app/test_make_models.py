@@ -3,14 +3,10 @@
 tensor the model holds is the one written. The real sizes (1B, 3B, 8B) use the same code."""
 
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -18,11 +14,8 @@ pytest.importorskip("tokenizers")
 
 
 @pytest.fixture
-def make_models(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import make_models
-
-    return make_models
+def make_models(benchmark_script):
+    return benchmark_script("make_models")
 
 
 @pytest.mark.slow

@@ -4,12 +4,9 @@ directory written by make_models.py, and one eager decode row rendered with its 
 runs themselves are benchmarks, not tests."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -17,12 +14,8 @@ pytest.importorskip("tokenizers")
 
 
 @pytest.fixture
-def scripts(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import make_models
-    import real_scale
-
-    return make_models, real_scale
+def scripts(benchmark_script):
+    return benchmark_script("make_models"), benchmark_script("real_scale")
 
 
 # (bound fp32, bound bf16, resident fp32, resident bf16): the issue's figures, to two decimals

@@ -6,22 +6,13 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
 @pytest.fixture(scope="module")
-def recipe_steps():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import recipe_steps
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return recipe_steps
+def recipe_steps(benchmark_script):
+    return benchmark_script("recipe_steps")
 
 
 def test_nine_recipes_and_their_targets(recipe_steps):
@@ -57,9 +48,9 @@ def test_without_cuda_it_says_so_and_exits_0(recipe_steps, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_tiny_cpu_run_times_every_recipe_and_profiles_one(tmp_path):
+def test_tiny_cpu_run_times_every_recipe_and_profiles_one(tmp_path, recipe_steps):
     out = tmp_path / "steps.json"
-    cmd = [sys.executable, str(BENCHMARKS / "recipe_steps.py"), "--device", "cpu", "--tiny", "--inner", "aot_eager",
+    cmd = [sys.executable, recipe_steps.__file__, "--device", "cpu", "--tiny", "--inner", "aot_eager",
            "--reps", "2", "--warmup", "0", "--profile", "ste", "--profile-steps", "1", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -5,7 +5,6 @@ from a GPU run)."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,21 +12,15 @@ from torch import nn
 
 import nmcompile
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
 @pytest.fixture
-def gpu_check(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import gpu_check
-
-    return gpu_check
+def gpu_check(benchmark_script):
+    return benchmark_script("gpu_check")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
-def test_without_cuda_it_says_so_writes_its_files_and_exits_0(tmp_path):
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--out-dir", str(tmp_path)],
+def test_without_cuda_it_says_so_writes_its_files_and_exits_0(tmp_path, gpu_check):
+    done = subprocess.run([sys.executable, gpu_check.__file__, "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no CUDA GPU here" in done.stdout and "nothing measured" in done.stdout

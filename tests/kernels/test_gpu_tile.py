@@ -4,25 +4,17 @@ the emulation, so that a GPU's minutes are not spent on a Python error, and so t
 tell a wrong metadata layout from a re-pruned mask."""
 
 import json
-import sys
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(128, 128), (256, 128)]
 
 
 @pytest.fixture(scope="module")
-def gpu_tile():
-    for path in (str(ROOT / "benchmarks"), str(ROOT / "tests")):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    import gpu_tile
-
-    return gpu_tile
+def gpu_tile(benchmark_script):
+    return benchmark_script("gpu_tile")
 
 
 def stand_in_tile(scramble_meta: bool = False):

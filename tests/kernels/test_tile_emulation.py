@@ -2,26 +2,15 @@
 the CPU from its CUDA source. What it says about nmcompile's masks decides where the one-kernel
 compressor may stand in for ``torch._cslt_compress`` (a GPU run checks the emulation against the op)."""
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from nmcompile.masks import count_violations, is_transposable
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
 @pytest.fixture(scope="module")
-def emu():
-    import sys
-
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import tile_emulation
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return tile_emulation
+def emu(benchmark_script):
+    return benchmark_script("tile_emulation")
 
 
 @pytest.fixture
