@@ -86,5 +86,9 @@ def test_prune_targets_judge_the_sequential_time_and_peak(scripts):
     result["prune"]["runs"][1].update(wall_s=140.0, peak_rss_mb=4800.0)  # limit: 5e9 bytes = 4768 MB
     rows = real_scale.targets(result)
     assert any("1.40x | **missed**" in row for row in rows) and any("4800 MB | **missed**" in row for row in rows)
+    result.update(shape="3b")  # 14 GB = 13351 MB, whatever the model's bytes
+    assert any("<= 14 GB (13351 MB) | 4800 MB | met" in row for row in real_scale.targets(result))
+    result["prune"]["runs"][1].update(peak_rss_mb=13400.0)
+    assert any("13400 MB | **missed**" in row for row in real_scale.targets(result))
     result["prune"]["runs"] = [{"mode": "one pass", "wall_s": 100.0, "peak_rss_mb": 9000.0}]
     assert real_scale.targets(result) == []
