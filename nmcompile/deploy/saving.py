@@ -33,8 +33,22 @@ PACKED_FILE = "model_packed.pt"
 WEIGHT_FILES = (*OWN_FILES, "model.safetensors.index.json", RECORD_FILE)
 
 
-def _why_not_packed(layout: Layout) -> str | None:
+#: the packed file is written only when its packed weights, all held at once by ``torch.save``, take at
+#: most this fraction of the memory available
+PACKED_MEMORY_FRACTION = 0.5
+
+
+def _packed_bytes(model: nn.Module, layout: Layout) -> int:
+    """The bytes of the packed weights: half the values plus one 16-bit metadata word per 16."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return sum(int(params[name].numel()) * params[name].element_size() // 2 + int(params[name].numel()) // 8
+               for name in layout.weights if name in params)
+
+
+def _why_not_packed(model: nn.Module, layout: Layout) -> str | None:
     """Why the packed file cannot hold every N:M weight packed, or None."""
+    from .sequential import available_bytes
+
     for name, entry in layout.weights.items():
         if entry.pattern != NMPattern(2, 4):
             return f"{name} is {entry.pattern}, and the packed format holds 2:4"
@@ -42,6 +56,11 @@ def _why_not_packed(layout: Layout) -> str | None:
             return f"{name} is a {len(entry.shape)}-D weight grouped along dim {entry.dim} (packed: 2-D weights)"
         if entry.shape[entry.dim] % 16:
             return f"{name}'s reduction dim ({entry.shape[entry.dim]}) is not a multiple of 16"
+    need, have = _packed_bytes(model, layout), available_bytes()
+    if need > PACKED_MEMORY_FRACTION * have:
+        return (f"its {need / 1e9:.1f} GB of packed weights, held at once while it is written, are more than half of "
+                f"the {have / 1e9:.1f} GB of memory available; load the directory packed with "
+                "nmcompile.deploy.load_pretrained(DIR, packed=True), which packs the safetensors weights as it reads them")
     return None
 
 
@@ -64,8 +83,9 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
             ``nmcompile.json``) are removed; other files stay.
         tokenizer: written beside the model (its ``save_pretrained``), e.g. for ``nmcompile prune``.
         packed: also write ``model_packed.pt`` with the 2:4 weights packed. It is written only when every
-            N:M weight can be packed (2:4, 2-D, reduction dim a multiple of 16); otherwise a warning says
-            which weight could not, and the record says why it is absent.
+            N:M weight can be packed (2:4, 2-D, reduction dim a multiple of 16) and the packed weights, held
+            at once while the file is written, take at most half the memory available; otherwise a warning
+            says why, and so does the record.
         hf: write a Hugging Face directory (``model.save_pretrained``, safetensors) rather than ``model.pt``
             (``torch.save`` of the whole model); default: whether ``model`` has ``save_pretrained``.
         save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``).
@@ -98,7 +118,7 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
             torch.save(model, os.path.join(staging, "model.pt"))
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        why = _why_not_packed(layout) if packed else None
+        why = _why_not_packed(model, layout) if packed else None
         if packed and why is None:
             _write_packed(model, layout, os.path.join(staging, PACKED_FILE))
             layout.packed = {"file": PACKED_FILE}

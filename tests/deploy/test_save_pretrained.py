@@ -81,6 +81,27 @@ def test_save_refuses_a_model_without_a_finalized_weight_and_names_what_is_not_p
     assert record["dense"] == {"1.weight": "not declared or finalized 2:4"}
 
 
+def test_a_packed_file_that_would_not_fit_in_memory_is_not_written_and_says_why(tmp_path, monkeypatch):
+    from nmcompile.deploy import saving, sequential
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16))
+    for layer in model:
+        with torch.no_grad():
+            layer.weight.copy_(nmcompile.masks.prune(layer.weight, 2, 4, 1))
+    nmcompile.finalize(model, pattern="2:4")
+    need = 32 * 64 * 4 // 2 + 32 * 64 // 8 + 16 * 32 * 4 // 2 + 16 * 32 // 8  # fp32 values + int16 words
+    assert saving._packed_bytes(model, layout_of(model)) == need
+    monkeypatch.setattr(sequential, "available_bytes", lambda: 2 * need)  # exactly half: written
+    assert "model_packed.pt" in {os.path.basename(f) for f in save_pretrained(model, tmp_path / "fits")}
+    monkeypatch.setattr(sequential, "available_bytes", lambda: 2 * need - 1)
+    with pytest.warns(UserWarning, match=r"model_packed.pt was not written: its 0.0 GB of packed weights.*"
+                                         r"load_pretrained\(DIR, packed=True\)"):
+        files = save_pretrained(model, tmp_path / "big")
+    assert sorted(os.path.basename(f) for f in files) == ["model.pt", "nmcompile.json"]
+    record = json.loads((tmp_path / "big" / "nmcompile.json").read_text())
+    assert record["packed"]["file"] is None and "more than half" in record["packed"]["why"]
+
+
 def test_a_save_into_an_earlier_save_replaces_it_whole(tmp_path):
     torch.manual_seed(0)
     model = tiny_llama(transformers)
