@@ -176,18 +176,21 @@ import json, sys, torch, nmcompile
 from torch import nn
 from torch._dynamo.utils import counters
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64)).eval()
+model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
 nmcompile.annotate(model, "sr_ste:2:4")
-nmcompile.finalize(model, force=sys.argv[1] == "forced")  # forced: packed; measured: timed, cached
-if sys.argv[1] == "forced":
-    nmcompile.deploy.pack_weights(model)
-with torch.no_grad():
-    torch.compile(model, backend="nmsparse")(torch.randn(1, 256))
+if sys.argv[1] == "trained":  # the training graphs: forward and backward
+    torch.compile(model, backend="nmsparse")(torch.randn(8, 256)).sum().backward()
+else:
+    nmcompile.finalize(model.eval(), force=sys.argv[1] == "forced")  # forced: packed; measured: timed, cached
+    if sys.argv[1] == "forced":
+        nmcompile.deploy.pack_weights(model)
+    with torch.no_grad():
+        torch.compile(model, backend="nmsparse")(torch.randn(1, 256))
 print(json.dumps(dict(counters["inductor"])))
 """
 
 
-@pytest.mark.parametrize("form", ["forced", "measured"])
+@pytest.mark.parametrize("form", ["forced", "measured", "trained"])
 def test_a_second_process_takes_the_compiled_graph_from_inductors_cache(tmp_path, form):
     import json
     import os
