@@ -14,7 +14,8 @@ cached block inputs when one pass's statistics would not fit in memory: the summ
 why), checked N:M, and saved by :func:`nmcompile.deploy.save_pretrained`: a Hugging Face directory
 (safetensors, loadable without nmcompile) or ``model.pt``, plus ``nmcompile.json`` (which weight is N:M
 along which dim: :func:`nmcompile.deploy.load_pretrained` loads the directory as deployed) and, for 2:4,
-``model_packed.pt`` with every 2:4 weight packed.
+``model_packed.pt`` with every 2:4 weight packed, when the packed weights take at most half the memory
+available (otherwise a warning and ``nmcompile.json`` say why it was skipped).
 
 The model keeps its own dtype (a bf16 checkpoint is calibrated and written in bf16; each weight's
 solve runs in float32); ``dtype`` overrides it. The output is written to a temporary folder beside
@@ -164,8 +165,10 @@ def _loss(model, windows, batch_size: int, kind: str = "pt") -> float:
     with torch.no_grad(), raised_per_module(model, compute_dtype(model)[0]):
         for i in range(0, len(windows), batch_size):
             batch = torch.stack(windows[i:i + batch_size])
-            logits = _logits(model, batch, kind)[:, :-1].float()
-            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
+            logits = _logits(model, batch, kind).float()
+            for row, ids in zip(logits, batch):  # row by row: a view, where a reshape of the batch would copy it
+                total += float(F.cross_entropy(row[:-1], ids[1:], reduction="sum"))
+            del logits
             tokens += batch[:, 1:].numel()
     return total / max(tokens, 1)
 

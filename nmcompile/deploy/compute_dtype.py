@@ -108,16 +108,44 @@ def to_dtype(value, dtype: torch.dtype):
     return value
 
 
+#: a ``Linear`` whose weight raised whole would take more than this many bytes runs in output-row
+#: chunks of at most this size instead (a tied 128k-word output head is 1.05 GB in float32 at width 2048)
+CHUNK_BYTES = 1 << 27
+
+
+def _in_chunks(module: nn.Module, dtype: torch.dtype) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module) is nn.Linear and weight is not None and weight.dtype in NATIVE_FLAGS
+            and weight.numel() * torch.empty((), dtype=dtype).element_size() > CHUNK_BYTES)
+
+
+def linear_in_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed in ``dtype`` with at most :data:`CHUNK_BYTES` of ``weight``
+    raised at a time (output rows in chunks)."""
+    x = x.to(dtype)
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=dtype, device=x.device)
+    rows = max(1, CHUNK_BYTES // (weight.shape[1] * out.element_size()))
+    for r in range(0, weight.shape[0], rows):
+        part = None if bias is None else bias[r:r + rows].to(dtype)
+        out[..., r:r + rows] = torch.nn.functional.linear(x, weight[r:r + rows].to(dtype), part)
+    return out
+
+
 @contextlib.contextmanager
 def raised_per_module(model: nn.Module, dtype: torch.dtype):
     """For an eager forward of ``model``: each module that holds parameters (but embeddings, which
     only gather rows) runs with them and its floating inputs in ``dtype``; one module's parameters are
     raised at a time, and dropped when it returns (a forward only reads them; one written through the
-    parameter is written back). A no-op where the model is already ``dtype``."""
+    parameter is written back). A plain ``nn.Linear`` too large to raise whole (:data:`CHUNK_BYTES`,
+    e.g. a large vocabulary's output head) is computed in chunks of output rows: its own forward is
+    handed an empty batch and its output replaced by :func:`linear_in_chunks`' (its weight is only
+    read). A no-op where the model is already ``dtype``."""
     if stored_dtype(model) == dtype:
         yield model
         return
     pending: dict[int, list] = {}
+    inputs: dict[int, list] = {}
     handles = []
 
     def pre(module, args, kwargs):
@@ -127,9 +155,22 @@ def raised_per_module(model: nn.Module, dtype: torch.dtype):
     def post(module, args, kwargs, output):  # a forward reads its weights: nothing to write back
         _lower(pending[id(module)].pop(), written_only=True)
 
+    def pre_chunked(module, args, kwargs):
+        x = args[0] if args else kwargs["input"]
+        inputs.setdefault(id(module), []).append(x)
+        empty = x.new_empty((0, x.shape[-1]), dtype=module.weight.dtype)
+        return ((empty,), {}) if args else ((), {"input": empty})
+
+    def post_chunked(module, args, kwargs, output):
+        x = inputs[id(module)].pop()
+        return linear_in_chunks(x, module.weight, module.bias, dtype)
+
     try:
         for module in model.modules():  # an embedding only gathers rows: it stays as it is
-            if any(True for _ in module.parameters(recurse=False)) and not isinstance(module, nn.Embedding):
+            if _in_chunks(module, dtype):
+                handles.append(module.register_forward_pre_hook(pre_chunked, with_kwargs=True))
+                handles.append(module.register_forward_hook(post_chunked, with_kwargs=True))
+            elif any(True for _ in module.parameters(recurse=False)) and not isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
         yield model

@@ -67,6 +67,43 @@ def test_per_module_forward_is_float32_arithmetic_and_leaves_bf16():
     assert err < 1e-2 * err_bf16 + 1e-6, (err, err_bf16)
 
 
+class _LinearWeights(torch.overrides.TorchFunctionMode):
+    """The number of weight elements of every float32 ``F.linear`` call made inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear and args[1].dtype == torch.float32:
+            self.sizes.append(args[1].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_linear_too_large_to_raise_whole_runs_in_row_chunks(monkeypatch):
+    """The output head (vocab 128 x width 64 = 8192 weights) over a limit of 2048 float32 weights is
+    computed 32 rows at a time: the same float32 logits, never more than the limit raised at once."""
+    model = _bf16_llama()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), cd.raised_per_module(model, torch.float32):
+        whole = model(ids).logits
+    monkeypatch.setattr(cd, "CHUNK_BYTES", 2048 * 4)
+    storages = _storages(model)
+    seen = _LinearWeights()
+    with torch.no_grad(), cd.raised_per_module(model, torch.float32), seen:
+        chunked = model(ids).logits
+    lin = torch.nn.Linear(64, 100, dtype=torch.bfloat16)  # a bias, and rows that do not divide evenly
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = F.linear(x, lin.weight.float(), lin.bias.float())
+        got = cd.linear_in_chunks(x, lin.weight, lin.bias, torch.float32)
+    assert chunked.dtype == torch.float32 and chunked.shape == whole.shape
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert max(seen.sizes) <= 2048 and seen.sizes.count(32 * 64) >= 4  # the head alone: 4 chunks of 32 rows
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and _storages(model) == storages
+
+
 def test_compute_dtype_follows_the_cpu_flags(monkeypatch):
     model = torch.nn.Linear(8, 8).to(torch.bfloat16)
     monkeypatch.setattr(cd, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
