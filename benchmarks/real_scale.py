@@ -591,9 +591,12 @@ def prune(path: str, samples: int, seq_len: int, max_gb: float, recipe: str = "s
             run = {"mode": name, "wall_s": wall, "cli_s": child["seconds"], "peak_rss_mb": child["peak_rss_mb"],
                    "peak_where": child["peak_where"], "peak_at_s": child["peak_at_s"],
                    "rc": child["rc"], "estimate_gb": estimate, "summary": lines[:-1]}
+            if child["rc"]:  # the CLI's one-line error, which a failed run is judged by
+                run["error"] = done.stderr.strip()[-2000:]
             out["runs"].append(run)
             print(f"  prune {name}: {wall:.1f} s, peak RSS {run['peak_rss_mb']:.0f} MB (rc {run['rc']}) at "
-                  f"{run['peak_at_s']:.0f} s in {run['peak_where']}", flush=True)
+                  f"{run['peak_at_s']:.0f} s in {run['peak_where']}" + (f"\n  {run['error']}" if child["rc"] else ""),
+                  flush=True)
             shutil.rmtree(dest, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -676,7 +679,8 @@ def _prune_targets(result: dict) -> list[str]:
     seq, one = runs.get("sequential"), runs.get("one pass")
     if seq is None:
         return []
-    lines = []
+    lines = [f"| prune, {r['mode']}: finishes | exit status {r['rc']}: {r.get('error') or 'no error recorded'} | **failed** |"
+             for r in runs.values() if r.get("rc")]
     if one is not None:
         ratio = seq["wall_s"] / one["wall_s"]
         lines.append(f"| prune: sequential <= 1.3x the time of one pass | {seq['wall_s']:.0f} s against "
@@ -758,7 +762,8 @@ def render(result: dict) -> str:
                 lines.append(f"| {x['mode']} | skipped: {x['skipped']} | | |")
             else:
                 where = f"{x['peak_at_s']:.0f} s: `{x['peak_where']}`" if x.get("peak_where") else "not recorded"
-                lines.append(f"| {x['mode']} | {x['wall_s']:.1f} | {x['peak_rss_mb']:.0f} | {where} |")
+                failed = f" (failed, exit status {x['rc']})" if x.get("rc") else ""
+                lines.append(f"| {x['mode']}{failed} | {x['wall_s']:.1f} | {x['peak_rss_mb']:.0f} | {where} |")
         lines.append("")
     verdicts = targets(result)
     if verdicts:

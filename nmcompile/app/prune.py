@@ -237,7 +237,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     from ..declare.annotate import annotate
     from ..deploy.finalize import finalize
     from ..deploy.inspection import check as check_nm
-    from ..deploy.saving import save_pretrained
+    from ..deploy.saving import check_disk, save_pretrained
     from ..recipes import parse
 
     start = time.perf_counter()
@@ -265,6 +265,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     if not evals:
         raise ValueError(f"held-out text: {len(held)} tokens make no window of --seq-len {seq_len}; give --held-out "
                          "FILE or more calibration text")
+    check_disk(model, out, what="nmcompile prune")  # before the calibration, not after it
     model.eval()
     loss_before = _loss(model, evals, batch_size, kind)
     report = annotate(model, parsed, include=include, exclude=list(exclude) if exclude else None)

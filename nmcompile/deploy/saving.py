@@ -26,7 +26,7 @@ from ..pattern import NMPattern
 from ..state.records import root
 from .layout import METADATA_KEY, OWN_FILES, RECORD_FILE, Layout, layout_of, write_layout
 
-__all__ = ["save_pretrained", "PACKED_FILE"]
+__all__ = ["save_pretrained", "check_disk", "PACKED_FILE"]
 
 PACKED_FILE = "model_packed.pt"
 #: files of an earlier save that a new save into the same directory replaces or removes
@@ -45,7 +45,7 @@ def _packed_bytes(model: nn.Module, layout: Layout) -> int:
                for name in layout.weights if name in params)
 
 
-def _why_not_packed(model: nn.Module, layout: Layout) -> str | None:
+def _why_not_packed(model: nn.Module, layout: Layout, staging: str, hf: bool) -> str | None:
     """Why the packed file cannot hold every N:M weight packed, or None."""
     from .sequential import available_bytes
 
@@ -57,11 +57,56 @@ def _why_not_packed(model: nn.Module, layout: Layout) -> str | None:
         if entry.shape[entry.dim] % 16:
             return f"{name}'s reduction dim ({entry.shape[entry.dim]}) is not a multiple of 16"
     need, have = _packed_bytes(model, layout), available_bytes()
+    load = ("load the directory packed with nmcompile.deploy.load_pretrained(DIR, packed=True), which packs the "
+            "safetensors weights as it reads them")
     if need > PACKED_MEMORY_FRACTION * have:
         return (f"its {need / 1e9:.1f} GB of packed weights, held at once while it is written, are more than half of "
-                f"the {have / 1e9:.1f} GB of memory available; load the directory packed with "
-                "nmcompile.deploy.load_pretrained(DIR, packed=True), which packs the safetensors weights as it reads them")
+                f"the {have / 1e9:.1f} GB of memory available; {load}")
+    free, stamp = _free_bytes(staging), min(_state_bytes(model), SHARD_BYTES) if hf else 0
+    if need + stamp > free:
+        return (f"its {need / 1e9:.1f} GB of packed weights do not fit in the {free / 1e9:.1f} GB of disk left"
+                + (f" ({stamp / 1e9:.1f} GB of it kept for adding the N:M layout to the safetensors files)" if stamp else "")
+                + f"; {load}")
     return None
+
+
+#: the largest safetensors file a Hugging Face save writes unless ``max_shard_size`` says otherwise:
+#: adding the layout to a file's metadata writes that file again beside itself, so a save needs the
+#: weights' bytes plus its largest file's free on disk (one 16 GB file would need 32 GB)
+SHARD_SIZE, SHARD_BYTES = "5GB", 5 * 10**9
+
+
+def _state_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s state dict, a tensor shared by several names (tied weights) counted once."""
+    seen, total = set(), 0
+    for t in model.state_dict(keep_vars=True).values():
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _free_bytes(directory: str) -> int:
+    """Free disk bytes where ``directory`` is (or would be made)."""
+    folder = os.path.abspath(directory)
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    return shutil.disk_usage(folder).free
+
+
+def check_disk(model: nn.Module, directory, what: str = "nmcompile.deploy.save_pretrained") -> None:
+    """Raise ``OSError`` when the disk at ``directory`` cannot take a save of ``model``: its weights plus
+    its largest safetensors file again (see :data:`SHARD_BYTES`). The packed file is not counted: a save
+    skips it, with a warning and the reason recorded, when the disk cannot take it."""
+    weights = _state_bytes(model)
+    need, free = weights + min(weights, SHARD_BYTES), _free_bytes(os.fspath(directory))
+    if need > free:
+        raise OSError(f"{what}: saving the model to {os.path.abspath(os.fspath(directory))} needs about "
+                      f"{need / 1e9:.1f} GB of disk ({weights / 1e9:.1f} GB of weights, plus one file of up to "
+                      f"{min(weights, SHARD_BYTES) / 1e9:.1f} GB written again to add the N:M layout to its "
+                      f"metadata), and that disk has {free / 1e9:.1f} GB free; free some space or write elsewhere")
 
 
 def _write_packed(model: nn.Module, layout: Layout, path: str) -> None:
@@ -83,12 +128,16 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
             ``nmcompile.json``) are removed; other files stay.
         tokenizer: written beside the model (its ``save_pretrained``), e.g. for ``nmcompile prune``.
         packed: also write ``model_packed.pt`` with the 2:4 weights packed. It is written only when every
-            N:M weight can be packed (2:4, 2-D, reduction dim a multiple of 16) and the packed weights, held
-            at once while the file is written, take at most half the memory available; otherwise a warning
-            says why, and so does the record.
+            N:M weight can be packed (2:4, 2-D, reduction dim a multiple of 16), the packed weights, held
+            at once while the file is written, take at most half the memory available, and the disk has
+            room for them; otherwise a warning says why, and so does the record.
         hf: write a Hugging Face directory (``model.save_pretrained``, safetensors) rather than ``model.pt``
             (``torch.save`` of the whole model); default: whether ``model`` has ``save_pretrained``.
-        save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``).
+        save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``, here by default
+            :data:`SHARD_SIZE`, "5GB").
+
+    Raises ``OSError`` before writing anything when the disk cannot take the weights plus their largest
+    file again (:func:`check_disk`).
 
     Load it back with :func:`nmcompile.deploy.load_pretrained` (``packed=True``: straight into packed
     weights), or with ``from_pretrained`` followed by :func:`nmcompile.deploy.restore`.
@@ -105,6 +154,9 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
         raise ValueError(f"save_pretrained(hf=True): {type(model).__name__} is not a Hugging Face model (it has no "
                          "save_pretrained); pass hf=False to write model.pt")
     directory = os.path.abspath(os.fspath(directory))
+    check_disk(model, directory)
+    if hf:
+        save_kwargs.setdefault("max_shard_size", SHARD_SIZE)
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(directory)}.nmcompile-")
@@ -118,7 +170,7 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
             torch.save(model, os.path.join(staging, "model.pt"))
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        why = _why_not_packed(model, layout) if packed else None
+        why = _why_not_packed(model, layout, staging, hf) if packed else None
         if packed and why is None:
             _write_packed(model, layout, os.path.join(staging, PACKED_FILE))
             layout.packed = {"file": PACKED_FILE}

@@ -143,6 +143,20 @@ def test_prune_never_writes_over_its_input_or_a_foreign_folder(tmp_path, capsys,
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_a_prune_whose_output_would_not_fit_on_disk_stops_before_calibrating(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from nmcompile.app import prune as prune_module
+    from nmcompile.deploy import saving
+
+    path = tiny_gpt2_dir(tmp_path)
+    monkeypatch.setattr(saving, "_free_bytes", lambda directory: 1000)
+    monkeypatch.setattr(prune_module, "_loss", lambda *a, **k: pytest.fail("calibration work began"))
+    assert prune(tmp_path, path, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "nmcompile prune: saving the model to" in err and "and that disk has 0.0 GB free" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_an_interrupted_prune_leaves_no_folder_that_looks_complete(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -90,5 +90,12 @@ def test_prune_targets_judge_the_sequential_time_and_peak(scripts):
     assert any("<= 14 GB (13351 MB) | 4800 MB | met" in row for row in real_scale.targets(result))
     result["prune"]["runs"][1].update(peak_rss_mb=13400.0)
     assert any("13400 MB | **missed**" in row for row in real_scale.targets(result))
+    result["prune"]["runs"][1].update(rc=2, error="nmcompile prune: [Errno 28] No space left on device")
+    rows = real_scale.targets(result)  # a run that did not finish fails, whatever its memory
+    assert any("finishes | exit status 2: nmcompile prune: [Errno 28]" in row and "**failed**" in row for row in rows)
+    assert "| sequential (failed, exit status 2) |" in real_scale.render(
+        {**result, "machine": {"cpu": "x", "threads": 2, "isa": ["avx2"], "torch": "t", "nmcompile": "c"},
+         "model": {"parameters": 1, "layers": 2, "tied": True}, "prune": {"recipe": "wanda:2:4", "samples": 8,
+                                                                           "seq_len": 512, **result["prune"]}})
     result["prune"]["runs"] = [{"mode": "one pass", "wall_s": 100.0, "peak_rss_mb": 9000.0}]
     assert real_scale.targets(result) == []

@@ -3,6 +3,7 @@ file holds every 2:4 weight packed (GPT-2's Conv1D as its transpose), smaller th
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -100,6 +101,54 @@ def test_a_packed_file_that_would_not_fit_in_memory_is_not_written_and_says_why(
     assert sorted(os.path.basename(f) for f in files) == ["model.pt", "nmcompile.json"]
     record = json.loads((tmp_path / "big" / "nmcompile.json").read_text())
     assert record["packed"]["file"] is None and "more than half" in record["packed"]["why"]
+
+
+def test_a_disk_too_small_is_refused_before_anything_is_written_and_the_packed_file_yields_first(
+        tmp_path, monkeypatch):
+    """A save needs the weights plus its largest safetensors file again (stamping the layout writes it
+    again): short of that it writes nothing and says how much; with room for the safetensors files but
+    not the packed one, the packed file is skipped with the reason recorded."""
+    from nmcompile.deploy import saving
+
+    torch.manual_seed(0)
+    model = tiny_llama(transformers)
+    magnitude_2_4(model)
+    weights = saving._state_bytes(model)
+    assert weights == sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
+    packed = saving._packed_bytes(model, layout_of(model))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    disk = {"size": 0}
+
+    def free(directory):  # a disk of disk["size"] bytes holding what is under tmp_path
+        return disk["size"] - sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+
+    monkeypatch.setattr(saving, "_free_bytes", free)
+    disk["size"] = 2 * weights - 1
+    with pytest.raises(OSError, match=r"needs about 0.0 GB of disk .* and that disk has 0.0 GB free"):
+        save_pretrained(model, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and os.listdir(tmp_path / "out") == ["notes.txt"]
+    disk["size"] = 2 * weights + packed + 4  # the config files written beside the weights take the margin
+    with pytest.warns(UserWarning, match=r"model_packed.pt was not written: .* do not fit in the 0.0 GB of disk"):
+        files = save_pretrained(model, tmp_path / "out")
+    assert "model_packed.pt" not in {os.path.basename(f) for f in files}
+    assert "disk" in json.loads((tmp_path / "out" / "nmcompile.json").read_text())["packed"]["why"]
+    shutil.rmtree(tmp_path / "out")
+    disk["size"] = 2 * weights + packed + 100_000
+    assert "model_packed.pt" in {os.path.basename(f) for f in save_pretrained(model, tmp_path / "out")}
+
+
+def test_a_save_writes_safetensors_files_of_at_most_the_shard_size_unless_told(tmp_path, monkeypatch):
+    from nmcompile.deploy import saving
+
+    torch.manual_seed(0)
+    model = tiny_llama(transformers)
+    magnitude_2_4(model)
+    monkeypatch.setattr(saving, "SHARD_SIZE", "200KB")
+    save_pretrained(model, tmp_path / "small")
+    assert len(list((tmp_path / "small").glob("model-*.safetensors"))) > 1
+    save_pretrained(model, tmp_path / "one", max_shard_size="50GB")
+    assert [p.name for p in (tmp_path / "one").glob("*.safetensors")] == ["model.safetensors"]
 
 
 def test_a_save_into_an_earlier_save_replaces_it_whole(tmp_path):
