@@ -186,7 +186,8 @@ def main(argv=None) -> int:
         "checks N:M, saves a Hugging Face directory (safetensors) or model.pt, plus nmcompile.json (which weight is N:M "
         "along which dim; nmcompile.deploy.load_pretrained(DIR) loads it as deployed, nmcompile check DIR checks it) "
         "and, for 2:4, model_packed.pt (every 2:4 weight packed, GPT-2's Conv1D included) when the packed weights take "
-        "at most half the memory available (otherwise a warning and nmcompile.json say why it was skipped), and "
+        "at most half the memory available and fit on the disk (otherwise a warning and nmcompile.json say why it was "
+        "skipped), and "
         "prints the held-out loss before and after. The output is written to a temporary folder and renamed at the end. "
         "No network access. Exit status 2 on bad input.",
     )

@@ -15,7 +15,8 @@ why), checked N:M, and saved by :func:`nmcompile.deploy.save_pretrained`: a Hugg
 (safetensors, loadable without nmcompile) or ``model.pt``, plus ``nmcompile.json`` (which weight is N:M
 along which dim: :func:`nmcompile.deploy.load_pretrained` loads the directory as deployed) and, for 2:4,
 ``model_packed.pt`` with every 2:4 weight packed, when the packed weights take at most half the memory
-available (otherwise a warning and ``nmcompile.json`` say why it was skipped).
+available and fit on the disk (otherwise a warning and ``nmcompile.json`` say why it was skipped). A disk
+that cannot take the weights is refused before calibrating.
 
 The model keeps its own dtype (a bf16 checkpoint is calibrated and written in bf16; each weight's
 solve runs in float32); ``dtype`` overrides it. The output is written to a temporary folder beside
@@ -265,7 +266,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     if not evals:
         raise ValueError(f"held-out text: {len(held)} tokens make no window of --seq-len {seq_len}; give --held-out "
                          "FILE or more calibration text")
-    check_disk(model, out, what="nmcompile prune")  # before the calibration, not after it
+    check_disk(model, out, hf=kind == "hf", what="nmcompile prune")  # before the calibration, not after it
     model.eval()
     loss_before = _loss(model, evals, batch_size, kind)
     report = annotate(model, parsed, include=include, exclude=list(exclude) if exclude else None)

@@ -116,7 +116,7 @@ CHUNK_BYTES = 1 << 27
 def _in_chunks(module: nn.Module, dtype: torch.dtype) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module) is nn.Linear and weight is not None and weight.dtype in NATIVE_FLAGS
-            and weight.numel() * torch.empty((), dtype=dtype).element_size() > CHUNK_BYTES)
+            and weight.numel() * dtype.itemsize > CHUNK_BYTES)
 
 
 def linear_in_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -62,7 +62,7 @@ def _why_not_packed(model: nn.Module, layout: Layout, staging: str, hf: bool) ->
     if need > PACKED_MEMORY_FRACTION * have:
         return (f"its {need / 1e9:.1f} GB of packed weights, held at once while it is written, are more than half of "
                 f"the {have / 1e9:.1f} GB of memory available; {load}")
-    free, stamp = _free_bytes(staging), min(_state_bytes(model), SHARD_BYTES) if hf else 0
+    free, stamp = _free_bytes(staging), _stamp_bytes(model, hf)
     if need + stamp > free:
         return (f"its {need / 1e9:.1f} GB of packed weights do not fit in the {free / 1e9:.1f} GB of disk left"
                 + (f" ({stamp / 1e9:.1f} GB of it kept for adding the N:M layout to the safetensors files)" if stamp else "")
@@ -88,6 +88,11 @@ def _state_bytes(model: nn.Module) -> int:
     return total
 
 
+def _stamp_bytes(model: nn.Module, hf: bool) -> int:
+    """The spare disk that stamping the layout into a save's largest safetensors file takes (0 for model.pt)."""
+    return min(_state_bytes(model), SHARD_BYTES) if hf else 0
+
+
 def _free_bytes(directory: str) -> int:
     """Free disk bytes where ``directory`` is (or would be made)."""
     folder = os.path.abspath(directory)
@@ -96,17 +101,18 @@ def _free_bytes(directory: str) -> int:
     return shutil.disk_usage(folder).free
 
 
-def check_disk(model: nn.Module, directory, what: str = "nmcompile.deploy.save_pretrained") -> None:
-    """Raise ``OSError`` when the disk at ``directory`` cannot take a save of ``model``: its weights plus
-    its largest safetensors file again (see :data:`SHARD_BYTES`). The packed file is not counted: a save
-    skips it, with a warning and the reason recorded, when the disk cannot take it."""
-    weights = _state_bytes(model)
-    need, free = weights + min(weights, SHARD_BYTES), _free_bytes(os.fspath(directory))
+def check_disk(model: nn.Module, directory, hf: bool = True, what: str = "nmcompile.deploy.save_pretrained") -> None:
+    """Raise ``OSError`` when the disk at ``directory`` cannot take a save of ``model``: its weights, plus
+    (``hf``) its largest safetensors file again (see :data:`SHARD_BYTES`). The packed file is not counted:
+    a save skips it, with a warning and the reason recorded, when the disk cannot take it."""
+    weights, stamp = _state_bytes(model), _stamp_bytes(model, hf)
+    need, free = weights + stamp, _free_bytes(os.fspath(directory))
     if need > free:
+        again = (f", plus one file of up to {stamp / 1e9:.1f} GB written again to add the N:M layout to its metadata"
+                 if stamp else "")
         raise OSError(f"{what}: saving the model to {os.path.abspath(os.fspath(directory))} needs about "
-                      f"{need / 1e9:.1f} GB of disk ({weights / 1e9:.1f} GB of weights, plus one file of up to "
-                      f"{min(weights, SHARD_BYTES) / 1e9:.1f} GB written again to add the N:M layout to its "
-                      f"metadata), and that disk has {free / 1e9:.1f} GB free; free some space or write elsewhere")
+                      f"{need / 1e9:.1f} GB of disk ({weights / 1e9:.1f} GB of weights{again}), and that disk has "
+                      f"{free / 1e9:.1f} GB free; free some space or write elsewhere")
 
 
 def _write_packed(model: nn.Module, layout: Layout, path: str) -> None:
@@ -154,7 +160,7 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
         raise ValueError(f"save_pretrained(hf=True): {type(model).__name__} is not a Hugging Face model (it has no "
                          "save_pretrained); pass hf=False to write model.pt")
     directory = os.path.abspath(os.fspath(directory))
-    check_disk(model, directory)
+    check_disk(model, directory, hf)
     if hf:
         save_kwargs.setdefault("max_shard_size", SHARD_SIZE)
     parent = os.path.dirname(directory)

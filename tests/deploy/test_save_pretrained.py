@@ -136,6 +136,10 @@ def test_a_disk_too_small_is_refused_before_anything_is_written_and_the_packed_f
     shutil.rmtree(tmp_path / "out")
     disk["size"] = 2 * weights + packed + 100_000
     assert "model_packed.pt" in {os.path.basename(f) for f in save_pretrained(model, tmp_path / "out")}
+    monkeypatch.setattr(saving, "_free_bytes", lambda directory: weights)  # model.pt: no file written again
+    saving.check_disk(model, tmp_path / "pt", hf=False)
+    with pytest.raises(OSError, match="needs about"):
+        saving.check_disk(model, tmp_path / "pt", hf=True)
 
 
 def test_a_save_writes_safetensors_files_of_at_most_the_shard_size_unless_told(tmp_path, monkeypatch):
