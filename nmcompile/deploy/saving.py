@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -45,7 +46,7 @@ def _packed_bytes(model: nn.Module, layout: Layout) -> int:
                for name in layout.weights if name in params)
 
 
-def _why_not_packed(model: nn.Module, layout: Layout, staging: str, hf: bool) -> str | None:
+def _why_not_packed(model: nn.Module, layout: Layout, staging: str) -> str | None:
     """Why the packed file cannot hold every N:M weight packed, or None."""
     from .sequential import available_bytes
 
@@ -62,7 +63,9 @@ def _why_not_packed(model: nn.Module, layout: Layout, staging: str, hf: bool) ->
     if need > PACKED_MEMORY_FRACTION * have:
         return (f"its {need / 1e9:.1f} GB of packed weights, held at once while it is written, are more than half of "
                 f"the {have / 1e9:.1f} GB of memory available; {load}")
-    free, stamp = _free_bytes(staging), _stamp_bytes(model, hf)
+    stamp = max((os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)
+                 if name.endswith(".safetensors")), default=0)  # the largest file, written again by stamping
+    free = _free_bytes(staging)
     if need + stamp > free:
         return (f"its {need / 1e9:.1f} GB of packed weights do not fit in the {free / 1e9:.1f} GB of disk left"
                 + (f" ({stamp / 1e9:.1f} GB of it kept for adding the N:M layout to the safetensors files)" if stamp else "")
@@ -73,7 +76,7 @@ def _why_not_packed(model: nn.Module, layout: Layout, staging: str, hf: bool) ->
 #: the largest safetensors file a Hugging Face save writes unless ``max_shard_size`` says otherwise:
 #: adding the layout to a file's metadata writes that file again beside itself, so a save needs the
 #: weights' bytes plus its largest file's free on disk (one 16 GB file would need 32 GB)
-SHARD_SIZE, SHARD_BYTES = "5GB", 5 * 10**9
+SHARD_SIZE = "5GB"
 
 
 def _state_bytes(model: nn.Module) -> int:
@@ -88,9 +91,25 @@ def _state_bytes(model: nn.Module) -> int:
     return total
 
 
-def _stamp_bytes(model: nn.Module, hf: bool) -> int:
-    """The spare disk that stamping the layout into a save's largest safetensors file takes (0 for model.pt)."""
-    return min(_state_bytes(model), SHARD_BYTES) if hf else 0
+def _size_bytes(size) -> int | None:
+    """``max_shard_size`` in bytes (an int, or "5GB", "500MB", ...: decimal units, as Hugging Face reads
+    them); None when it is neither."""
+    if isinstance(size, int):
+        return size
+    units = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([TGMK]B)\s*", str(size).upper())
+    return int(float(match[1]) * units[match[2]]) if match else None
+
+
+def _stamp_bytes(model: nn.Module, hf: bool, shard_size=SHARD_SIZE) -> int:
+    """The spare disk that stamping the layout into a save's largest safetensors file takes (0 for model.pt):
+    a file holds up to ``shard_size`` (the ``max_shard_size`` of the save), or one tensor larger than that."""
+    if not hf:
+        return 0
+    state, shard = _state_bytes(model), _size_bytes(shard_size)
+    largest = max((t.numel() * t.element_size() for t in model.state_dict().values()
+                   if isinstance(t, torch.Tensor) and not t.is_meta), default=0)
+    return state if shard is None else min(state, max(shard, largest))
 
 
 def _free_bytes(directory: str) -> int:
@@ -101,11 +120,13 @@ def _free_bytes(directory: str) -> int:
     return shutil.disk_usage(folder).free
 
 
-def check_disk(model: nn.Module, directory, hf: bool = True, what: str = "nmcompile.deploy.save_pretrained") -> None:
+def check_disk(model: nn.Module, directory, hf: bool = True, what: str = "nmcompile.deploy.save_pretrained",
+               shard_size=SHARD_SIZE) -> None:
     """Raise ``OSError`` when the disk at ``directory`` cannot take a save of ``model``: its weights, plus
-    (``hf``) its largest safetensors file again (see :data:`SHARD_BYTES`). The packed file is not counted:
-    a save skips it, with a warning and the reason recorded, when the disk cannot take it."""
-    weights, stamp = _state_bytes(model), _stamp_bytes(model, hf)
+    (``hf``) its largest safetensors file again, of at most ``shard_size`` (the save's ``max_shard_size``;
+    see :data:`SHARD_SIZE`). The packed file is not counted: a save skips it, with a warning and the
+    reason recorded, when the disk cannot take it."""
+    weights, stamp = _state_bytes(model), _stamp_bytes(model, hf, shard_size)
     need, free = weights + stamp, _free_bytes(os.fspath(directory))
     if need > free:
         again = (f", plus one file of up to {stamp / 1e9:.1f} GB written again to add the N:M layout to its metadata"
@@ -160,9 +181,9 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
         raise ValueError(f"save_pretrained(hf=True): {type(model).__name__} is not a Hugging Face model (it has no "
                          "save_pretrained); pass hf=False to write model.pt")
     directory = os.path.abspath(os.fspath(directory))
-    check_disk(model, directory, hf)
     if hf:
         save_kwargs.setdefault("max_shard_size", SHARD_SIZE)
+    check_disk(model, directory, hf, shard_size=save_kwargs.get("max_shard_size"))
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(directory)}.nmcompile-")
@@ -176,7 +197,7 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
             torch.save(model, os.path.join(staging, "model.pt"))
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        why = _why_not_packed(model, layout, staging, hf) if packed else None
+        why = _why_not_packed(model, layout, staging) if packed else None
         if packed and why is None:
             _write_packed(model, layout, os.path.join(staging, PACKED_FILE))
             layout.packed = {"file": PACKED_FILE}

@@ -155,6 +155,26 @@ def test_a_save_writes_safetensors_files_of_at_most_the_shard_size_unless_told(t
     assert [p.name for p in (tmp_path / "one").glob("*.safetensors")] == ["model.safetensors"]
 
 
+def test_the_disk_check_counts_the_largest_file_the_save_will_write(tmp_path, monkeypatch):
+    from nmcompile.deploy import saving
+
+    torch.manual_seed(0)
+    model = tiny_llama(transformers)
+    magnitude_2_4(model)
+    weights = saving._state_bytes(model)
+    largest = max(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert 2 * largest < weights
+    assert [saving._size_bytes(s) for s in (123, "5GB", "0.5 mb", "20KB", "5GiB")] == [123, 5 * 10**9, 500_000, 20_000, None]
+    monkeypatch.setattr(saving, "_free_bytes", lambda directory: weights + largest)
+    saving.check_disk(model, tmp_path / "a", shard_size=1000)  # files of one tensor each: the largest is written again
+    for size in ("50GB", "5GiB"):  # one file of everything; a size it cannot read: the whole state, to be safe
+        with pytest.raises(OSError, match=r"plus one file of up to"):
+            saving.check_disk(model, tmp_path / "a", shard_size=size)
+    with pytest.raises(OSError, match="needs about"):
+        save_pretrained(model, tmp_path / "b", max_shard_size="50GB")
+    assert not (tmp_path / "b").exists()
+
+
 def test_a_save_into_an_earlier_save_replaces_it_whole(tmp_path):
     torch.manual_seed(0)
     model = tiny_llama(transformers)
