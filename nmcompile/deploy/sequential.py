@@ -24,6 +24,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -294,11 +295,20 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
 
 
 def half_written(err: BaseException, written: list[str], total: int) -> None:
-    """Raise ``err`` again, as a ValueError that names the blocks already written, when some were."""
-    if written and isinstance(err, ValueError):
-        what = (f"{len(written)} of {total} blocks were already pruned and written in place ({written[0]} .. "
-                f"{written[-1]}); the rest are unchanged and still declared; reload the dense model before trying "
-                "again")
+    """When some blocks were already written: raise ``err`` again as a ValueError that names them, or
+    (any other error, an interrupt included) add that as a note to ``err``, which the caller re-raises."""
+    if not written:
+        return
+    what = (f"{len(written)} of {total} blocks were already pruned and written in place ({written[0]} .. "
+            f"{written[-1]}); the rest are unchanged and still declared; reload the dense model before trying "
+            "again")
+    if not isinstance(err, ValueError):
+        note = f"nmcompile.finalize (sequential): {what}"
+        if hasattr(err, "add_note"):  # Python 3.11+
+            err.add_note(note)
+        else:
+            warnings.warn(note, stacklevel=3)
+    else:
         message = str(err)
         raise ValueError(message.replace("nothing was changed", what) if "nothing was changed" in message
                          else f"{message}\nnmcompile.finalize (sequential): {what}") from err

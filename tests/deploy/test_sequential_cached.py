@@ -5,6 +5,7 @@ not chain falls back (and says so), and an error names the blocks already writte
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -209,6 +210,31 @@ def test_an_error_in_a_later_block_names_the_blocks_already_written():
     assert not torch.equal(model.layers[0].fc1.weight, dense.layers[0].fc1.weight)
     assert torch.equal(model.layers[2].fc1.weight, dense.layers[2].fc1.weight)
     assert all(int(c) >= 0 for n, c in model.named_buffers() if n.endswith("_count"))
+
+
+def test_any_other_error_in_a_later_block_keeps_its_type_and_notes_the_blocks_written(monkeypatch):
+    from nmcompile.deploy import oneshot
+
+    torch.manual_seed(3)
+    model = Chained().eval()
+    dense = copy.deepcopy(model)
+    solve, calls = oneshot.solve_one, []
+
+    def failing(name, *args, **kwargs):
+        calls.append(name)
+        if name.startswith("layers.1."):
+            raise RuntimeError("out of memory (injected)")
+        return solve(name, *args, **kwargs)
+
+    monkeypatch.setattr(oneshot, "solve_one", failing)
+    nmcompile.annotate(model, "sparsegpt:2:4")
+    with pytest.raises(RuntimeError, match="injected") as caught:
+        nmcompile.finalize(model, calibration=batches(), sequential=True, calibration_options=AOT)
+    if sys.version_info >= (3, 11):
+        assert any("1 of 3 blocks were already pruned and written in place (layers.0 .. layers.0)" in note
+                   for note in caught.value.__notes__)
+    assert not torch.equal(model.layers[0].fc1.weight, dense.layers[0].fc1.weight)
+    assert torch.equal(model.layers[2].fc1.weight, dense.layers[2].fc1.weight)
 
 
 def test_large_activations_spill_to_disk_and_give_the_same_weights(monkeypatch):
