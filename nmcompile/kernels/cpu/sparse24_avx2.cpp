@@ -14,12 +14,15 @@ namespace {
 // 8 position bits) gives, for lane j, the bytes of value rank(j) if bit j is set, else 0x80 (zero).
 // The 4 values sit in both 128-bit lanes of the source (a broadcast), so vpshufb reaches them from
 // either lane. fp32: value r is bytes 4r..4r+3; bf16: bytes 2r, 2r+1 land in the lane's high half
-// (the fp32 with the same value). Built at compile time (a constructor running at load would be
-// AVX2 code on any CPU).
+// (the fp32 with the same value). A bf16 word's 8 values are 16 bytes, broadcast once to both lanes
+// for both halves: the second half's table reads values 4..7 (bytes 8..15); one load per word in
+// place of two took a word-row from 0.90 to 0.80 ns with the weight in L2 (Zen 3, 1 thread). Built
+// at compile time (a constructor running at load would be AVX2 code on any CPU).
 struct ShuffleTable {
   alignas(64) uint8_t f32[256][32];
   alignas(64) uint8_t bf16[256][32];
-  constexpr ShuffleTable() : f32{}, bf16{} {
+  alignas(64) uint8_t bf16_hi[256][32];  // the same, from values 4..7 (bytes 8..15)
+  constexpr ShuffleTable() : f32{}, bf16{}, bf16_hi{} {
     for (int m = 0; m < 256; ++m) {
       int rank = 0;
       for (int j = 0; j < 8; ++j) {
@@ -27,6 +30,7 @@ struct ShuffleTable {
         for (int byte = 0; byte < 4; ++byte) {
           f32[m][4 * j + byte] = static_cast<uint8_t>(kept ? 4 * rank + byte : 0x80);
           bf16[m][4 * j + byte] = static_cast<uint8_t>(kept && byte >= 2 ? 2 * rank + byte - 2 : 0x80);
+          bf16_hi[m][4 * j + byte] = static_cast<uint8_t>(kept && byte >= 2 ? 8 + 2 * rank + byte - 2 : 0x80);
         }
         rank += kept;
       }
@@ -69,10 +73,9 @@ inline Pair place<float>(const float* v, unsigned m) {
 }
 template <>
 inline Pair place<uint16_t>(const uint16_t* v, unsigned m) {  // bf16
-  const __m256i first = _mm256_set1_epi64x(*reinterpret_cast<const long long*>(v));
-  const __m256i last = _mm256_set1_epi64x(*reinterpret_cast<const long long*>(v + 4));
-  return {_mm256_castsi256_ps(_mm256_shuffle_epi8(first, control(kShuffle.bf16, m & 0xFF))),
-          _mm256_castsi256_ps(_mm256_shuffle_epi8(last, control(kShuffle.bf16, m >> 8)))};
+  const __m256i all = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+  return {_mm256_castsi256_ps(_mm256_shuffle_epi8(all, control(kShuffle.bf16, m & 0xFF))),
+          _mm256_castsi256_ps(_mm256_shuffle_epi8(all, control(kShuffle.bf16_hi, m >> 8)))};
 }
 inline __m256 permute4(__m128 v, unsigned m) {
   const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPermute.idx[m])));
