@@ -236,6 +236,23 @@ def test_any_other_error_in_a_later_block_keeps_its_type_and_notes_the_blocks_wr
     assert torch.equal(model.layers[2].fc1.weight, dense.layers[2].fc1.weight)
 
 
+class _NoNotes(RuntimeError):
+    """An error without ``add_note``, as every exception is on Python 3.10."""
+
+    def __getattribute__(self, name):
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_without_add_note_the_blocks_written_are_named_in_a_warning():
+    err = _NoNotes("interrupted")
+    with pytest.warns(UserWarning, match=r"2 of 5 blocks were already pruned and written in place \(layers.0 .. "
+                      r"layers.1\)"):
+        sequential.half_written(err, ["layers.0", "layers.1"], 5)
+    assert not hasattr(err, "__notes__")
+
+
 def test_large_activations_spill_to_disk_and_give_the_same_weights(monkeypatch):
     torch.manual_seed(4)
     model = Chained().eval()
