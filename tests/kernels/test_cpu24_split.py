@@ -69,20 +69,22 @@ def test_a_slowed_thread_takes_few_chunks_and_the_result_is_unchanged(slow_threa
 
 
 def test_an_openmp_team_that_keeps_the_caller_waiting_sends_the_next_calls_to_the_pool():
-    values, bits = layout(2048, 2048)  # 64 chunks of about 25 us: the worker starts before they run out
+    # 64 chunks, each 4x a [2048, 2048] layer's: the worker starts before they run out, also with the
+    # other core busy (at [2048, 2048] it did not, once, under `pytest -n 2`)
+    values, bits = layout(4096, 4096)
     isa = cpu24.best_isa(torch.float32)
-    x = torch.randn(1, 2048)
+    x = torch.randn(1, 4096)
     # the OpenMP worker sleeps 5 ms before each chunk it claims: the caller waits for it (over 0.5 ms),
     # unless the caller itself lost its core for as long (shared cores): then the call is tried again
     for _ in range(5):
-        _, counts, taken, left = probe(2, x, values, bits, 2048, isa, 1, 5000, route=1)
+        _, counts, taken, left = probe(2, x, values, bits, 4096, isa, 1, 5000, route=1)
         if len(counts) != 2:
             pytest.skip(f"the split ran on {len(counts)} thread(s) for 2")
         assert taken == 1
         if left == 128:
             break
     assert left == 128, "no OpenMP call kept its caller waiting 0.5 ms in 5 tries"
-    calls = [probe(2, x, values, bits, 2048, isa)[2:] for _ in range(130)]
+    calls = [probe(2, x, values, bits, 4096, isa)[2:] for _ in range(130)]
     # 128 calls on the pool, each counting down, then the team is tried again
     assert calls[:128] == [(2, left) for left in range(127, -1, -1)] and calls[128][0] == 1, calls
 
