@@ -254,7 +254,8 @@ def unpack(values: Tensor, bits: Tensor, out_features: int) -> Tensor:
 
 
 def _register_python_parts() -> None:
-    """Fake (shape) functions and the dense autograd of the C++ ops; called once after loading."""
+    """Fake (shape) functions of the C++ ops and the AutocastCPU kernel; called once after loading (the
+    autograd of ``cpu24_linear`` is C++: ``cpu/sparse24_autograd.cpp``)."""
     lib = "nmsparse::cpu24_linear"
 
     @torch.library.register_fake(lib)
@@ -264,23 +265,6 @@ def _register_python_parts() -> None:
     @torch.library.register_fake("nmsparse::cpu24_unpack")
     def _(values, bits, out_features):
         return values.new_empty((out_features, bits.shape[1] * 16))
-
-    def setup(ctx, inputs, output):
-        x, values, bits, bias, weight, out_features = inputs[:6]
-        ctx.has_bias, ctx.out_features = bias is not None, out_features
-        ctx.save_for_backward(x, values, bits, weight)
-
-    def backward(ctx, grad):
-        x, values, bits, weight = ctx.saved_tensors
-        w = weight if weight is not None and weight.numel() else torch.ops.nmsparse.cpu24_unpack(values, bits, ctx.out_features)
-        dx = grad @ w if ctx.needs_input_grad[0] else None
-        dw = None
-        if weight is not None and ctx.needs_input_grad[4]:
-            dw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return dx, None, None, db, dw, None, None, None
-
-    torch.library.register_autograd(lib, backward, setup_context=setup)
 
     _autocast_library()
 

@@ -184,6 +184,49 @@ def test_gradients_are_the_dense_ones():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("resident", [True, False])
+def test_gradients_with_and_without_bias_and_resident_weight(with_bias, resident):
+    w = pruned(24, 48, torch.float32)
+    values, bits = layout(w)
+    bias = torch.randn(24, requires_grad=True) if with_bias else None
+    weight = w.clone().requires_grad_() if resident else None
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    y = torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, weight, 24, -1, cpu24.best_isa(torch.float32))
+    assert y.grad_fn is not None
+    (y * torch.linspace(-1, 1, 24)).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.clone().requires_grad_()
+    b2 = bias.detach().clone().requires_grad_() if with_bias else None
+    (F.linear(x2, w2, b2) * torch.linspace(-1, 1, 24)).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    if with_bias:
+        torch.testing.assert_close(bias.grad, b2.grad, rtol=1e-5, atol=1e-5)
+    if resident:
+        torch.testing.assert_close(weight.grad, w2.grad, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # nothing recorded, the same values
+        y_off = torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, weight, 24, -1, cpu24.best_isa(torch.float32))
+    assert y_off.grad_fn is None and torch.equal(y_off, y.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_reduced_dtype_is_the_fp32_product_rounded_to_nearest_even(dtype, tokens):
+    """bf16 and fp16 inputs are widened and the fp32 sums narrowed inside the op: the same bits as the
+    fp32 kernel on the same (exactly widened) operands, rounded as ``Tensor.to`` rounds (a NaN stays a
+    NaN, its payload aside). K = 48 pads to 64."""
+    w = pruned(16, 48, dtype)
+    x = torch.randn(tokens, 48).to(dtype)
+    x[0, :2] = torch.tensor([65504.0, -0.0]).to(dtype)
+    if tokens > 1:
+        x[-1, 5] = float("nan")  # a token whose every output is NaN (0 x NaN, as in F.linear)
+    isa = "avx2" if "avx2" in cpu24.isas() else "emulated512"
+    y = torch.ops.nmsparse.cpu24_linear(x, *layout(w), None, None, 16, -1, isa)
+    want = torch.ops.nmsparse.cpu24_linear(x.float(), *layout(w.float()), None, None, 16, -1, isa).to(dtype)
+    kept = tokens - (tokens > 1)
+    assert y.dtype == dtype and y[kept:].isnan().all() and want[kept:].isnan().all()
+    assert torch.equal(y[:kept].view(torch.int16), want[:kept].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(dtype):
     w, bias = pruned(16, 32, dtype), torch.randn(16).to(dtype)

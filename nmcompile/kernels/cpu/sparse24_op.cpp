@@ -136,6 +136,35 @@ at::Tensor cpu24_unpack(const at::Tensor& values, const at::Tensor& bits, int64_
   return dense;
 }
 
+// x [tokens, k] (bf16 or fp16, contiguous) as fp32 [tokens, kp], zero padded; and the fp32 product
+// back in the input's dtype (round to nearest even, as Tensor.to). Plain loops, not Tensor.to and
+// constant_pad_nd: at one token those cost some 4 us a call in dispatch and allocation, more than
+// converting a few thousand values.
+at::Tensor widened(const at::Tensor& x, int64_t kp) {
+  const int64_t tokens = x.size(0), k = x.size(1);
+  auto xs = at::empty({tokens, kp}, x.options().dtype(at::kFloat));
+  float* d = xs.data_ptr<float>();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "cpu24_widen", [&] {
+    const scalar_t* s = x.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t i = 0; i < k; ++i) d[t * kp + i] = static_cast<float>(s[t * k + i]);
+      for (int64_t i = k; i < kp; ++i) d[t * kp + i] = 0.0f;
+    }
+  });
+  return xs;
+}
+
+at::Tensor narrowed(const at::Tensor& out, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return out;
+  auto o = at::empty(out.sizes(), out.options().dtype(dtype));
+  const float* s = out.data_ptr<float>();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "cpu24_narrow", [&] {
+    scalar_t* d = o.data_ptr<scalar_t>();
+    for (int64_t i = 0, n = out.numel(); i < n; ++i) d[i] = static_cast<scalar_t>(s[i]);
+  });
+  return o;
+}
+
 // the 2:4 product of every row of x (no dense fallback); probe: the split's test hook, else null
 at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
                           const c10::optional<at::Tensor>& bias, int64_t n, c10::string_view isa_name,
@@ -151,9 +180,14 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
               "nmsparse::cpu24_linear: isa '", std::string(isa_name), "' takes bf16 weights and inputs");
   if (tokens == 0) return at::zeros(out_shape, x.options());
   const int64_t kp = (k + 31) / 32 * 32;
-  auto xs = x.reshape({tokens, k}).to(isa.bf16_pairs ? at::kBFloat16 : at::kFloat);
-  if (kp != k) xs = at::constant_pad_nd(xs, {0, kp - k});
-  xs = xs.contiguous();
+  at::Tensor xs;
+  if (isa.bf16_pairs || x.scalar_type() == at::kFloat) {
+    xs = x.reshape({tokens, k}).to(isa.bf16_pairs ? at::kBFloat16 : at::kFloat);
+    if (kp != k) xs = at::constant_pad_nd(xs, {0, kp - k});
+    xs = xs.contiguous();
+  } else {
+    xs = widened(x.reshape({tokens, k}).contiguous(), kp);
+  }
   at::Tensor b32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "nmsparse::cpu24_linear: bias ", shape_str(*bias),
@@ -165,7 +199,7 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
              reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
              out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes()};
   nm24_split(isa.rows, a, values.size(0), probe);
-  return out.to(x.scalar_type()).view(out_shape);
+  return narrowed(out, x.scalar_type()).view(out_shape);
 }
 
 void check_input(const at::Tensor& x, const at::Tensor& values, int64_t k) {
