@@ -136,32 +136,29 @@ at::Tensor cpu24_unpack(const at::Tensor& values, const at::Tensor& bits, int64_
   return dense;
 }
 
-// x [tokens, k] (bf16 or fp16, contiguous) as fp32 [tokens, kp], zero padded; and the fp32 product
-// back in the input's dtype (round to nearest even, as Tensor.to). Plain loops, not Tensor.to and
-// constant_pad_nd: at one token those cost some 4 us a call in dispatch and allocation, more than
-// converting a few thousand values.
+// x [tokens, k] (bf16, contiguous) as fp32 [tokens, kp], zero padded; and the fp32 product back in
+// bf16 (round to nearest even, as Tensor.to). Plain loops, not Tensor.to and constant_pad_nd: at one
+// token those cost some 4 us a call in dispatch and allocation, more than converting a few thousand
+// values (a 1B Llama's decoding step makes 112 calls).
+constexpr int64_t kLoopElements = int64_t{1} << 16;
+
 at::Tensor widened(const at::Tensor& x, int64_t kp) {
   const int64_t tokens = x.size(0), k = x.size(1);
   auto xs = at::empty({tokens, kp}, x.options().dtype(at::kFloat));
   float* d = xs.data_ptr<float>();
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "cpu24_widen", [&] {
-    const scalar_t* s = x.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t i = 0; i < k; ++i) d[t * kp + i] = static_cast<float>(s[t * k + i]);
-      for (int64_t i = k; i < kp; ++i) d[t * kp + i] = 0.0f;
-    }
-  });
+  const at::BFloat16* s = x.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < k; ++i) d[t * kp + i] = static_cast<float>(s[t * k + i]);
+    for (int64_t i = k; i < kp; ++i) d[t * kp + i] = 0.0f;
+  }
   return xs;
 }
 
-at::Tensor narrowed(const at::Tensor& out, at::ScalarType dtype) {
-  if (dtype == at::kFloat) return out;
-  auto o = at::empty(out.sizes(), out.options().dtype(dtype));
+at::Tensor narrowed(const at::Tensor& out) {
+  auto o = at::empty(out.sizes(), out.options().dtype(at::kBFloat16));
   const float* s = out.data_ptr<float>();
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "cpu24_narrow", [&] {
-    scalar_t* d = o.data_ptr<scalar_t>();
-    for (int64_t i = 0, n = out.numel(); i < n; ++i) d[i] = static_cast<scalar_t>(s[i]);
-  });
+  at::BFloat16* d = o.data_ptr<at::BFloat16>();
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) d[i] = static_cast<at::BFloat16>(s[i]);
   return o;
 }
 
@@ -181,7 +178,11 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
   if (tokens == 0) return at::zeros(out_shape, x.options());
   const int64_t kp = (k + 31) / 32 * 32;
   at::Tensor xs;
-  if (isa.bf16_pairs || x.scalar_type() == at::kFloat) {
+  // the plain loops where their cost is smaller than a dispatched op's: bf16 (a shift each way) at
+  // decoding sizes; fp16 (no F16C in this unit) and prefill sizes take Tensor.to's vector kernels
+  const bool loops = !isa.bf16_pairs && x.scalar_type() == at::kBFloat16 && x.numel() <= kLoopElements &&
+                     tokens * n <= kLoopElements;
+  if (!loops) {
     xs = x.reshape({tokens, k}).to(isa.bf16_pairs ? at::kBFloat16 : at::kFloat);
     if (kp != k) xs = at::constant_pad_nd(xs, {0, kp - k});
     xs = xs.contiguous();
@@ -199,7 +200,7 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
              reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
              out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes()};
   nm24_split(isa.rows, a, values.size(0), probe);
-  return narrowed(out, x.scalar_type()).view(out_shape);
+  return (loops ? narrowed(out) : out.to(x.scalar_type())).view(out_shape);
 }
 
 void check_input(const at::Tensor& x, const at::Tensor& values, int64_t k) {
