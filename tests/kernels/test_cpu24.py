@@ -211,9 +211,9 @@ def test_gradients_with_and_without_bias_and_resident_weight(with_bias, resident
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_a_reduced_dtype_is_the_fp32_product_rounded_to_nearest_even(dtype, tokens):
-    """bf16 and fp16 inputs are widened and the fp32 sums narrowed inside the op: the same bits as the
-    fp32 kernel on the same (exactly widened) operands, rounded as ``Tensor.to`` rounds (a NaN stays a
-    NaN, its payload aside). K = 48 pads to 64."""
+    """bf16 inputs are widened and the fp32 sums narrowed by the op's own loops at these sizes (fp16 by
+    ``Tensor.to``): the same bits as the fp32 kernel on the same (exactly widened) operands, rounded as
+    ``Tensor.to`` rounds (a NaN stays a NaN, its payload aside). K = 48 pads to 64."""
     w = pruned(16, 48, dtype)
     x = torch.randn(tokens, 48).to(dtype)
     x[0, :2] = torch.tensor([65504.0, -0.0]).to(dtype)
