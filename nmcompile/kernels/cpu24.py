@@ -44,8 +44,13 @@ __all__ = ["Status", "status", "library_name", "isas", "best_isa", "cpu_layout",
            "ISAS", "DTYPES", "GROUP"]
 
 SOURCES = Path(__file__).with_name("cpu")
-#: ISA names the op takes, fastest first, with the cpu24_isa() bits each needs
-ISAS = {"avx512_bf16": 4, "avx512": 2, "avx2": 1}
+#: ISA names the op takes, with the cpu24_isa() bits each needs. Measured on a Zen 5 core
+#: (``benchmarks/cpu24_isa.py``): ``avx512`` (one or two tokens on the AVX2 rows) was the fastest for
+#: fp32 and fp16 weights, ``avx2`` for bf16 ones (1-4 tokens, where the kernel beats dense bf16);
+#: ``avx512_bf16`` (bf16 pairs) no default picks: at one token it ran 0.82-1.13x dense bf16 against
+#: ``avx2``'s 3.1x, and from 16 tokens on, where it was the fastest of the three, dense bf16 (native
+#: there) beat all of them
+ISAS = {"avx512": 2, "avx2": 1, "avx512_bf16": 4}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: at::parallel_for is OpenMP in the header: without -fopenmp cpu24_unpack would run on one thread
 FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
@@ -124,7 +129,7 @@ def _build() -> None:
 
 
 def isas() -> tuple[str, ...]:
-    """The ISAs this CPU runs, fastest first (empty where the kernel is unavailable)."""
+    """The ISAs this CPU runs, in the order of :data:`ISAS` (empty where the kernel is unavailable)."""
     if not status().available:
         return ()
     flags = int(torch.ops.nmsparse.cpu24_isa())
@@ -132,11 +137,12 @@ def isas() -> tuple[str, ...]:
 
 
 def best_isa(dtype: torch.dtype) -> str | None:
-    """The fastest ISA for ``dtype`` weights and inputs here (``avx512_bf16`` multiplies bf16 pairs)."""
-    for name in isas():
-        if name != "avx512_bf16" or dtype == torch.bfloat16:
-            return name
-    return None
+    """The ISA that packed ``dtype`` weights run here (:data:`ISAS`): ``avx2`` for bf16, else the first
+    this CPU runs of ``avx512`` and ``avx2``; ``avx512_bf16`` only where a caller names it."""
+    here = [name for name in isas() if name != "avx512_bf16"]
+    if dtype == torch.bfloat16 and "avx2" in here:
+        return "avx2"
+    return here[0] if here else None
 
 
 GROUP = 8  # rows per group of the CPU layout (NM24_GROUP in cpu/sparse24_args.h)

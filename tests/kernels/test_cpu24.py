@@ -60,7 +60,7 @@ def check(y, x, w, bias):
 
 
 @pytest.mark.parametrize("isa,dtype", PATH_DTYPES)
-@pytest.mark.parametrize("tokens", [0, 1, 3, 4, 5, 17, 255])
+@pytest.mark.parametrize("tokens", [0, 1, 2, 3, 4, 5, 17, 255])  # avx512 runs 1-2 on the AVX2 rows
 def test_every_path_and_token_count_matches_the_dense_product(isa, dtype, tokens):
     _skip_unless_runs(isa, dtype)
     w, bias = pruned(40, 48, dtype), torch.randn(40).to(dtype)
@@ -83,6 +83,30 @@ def test_shapes_at_the_alignment_edges(isa, dtype, out_f, in_f, with_bias):
     for tokens in (1, 6):
         x = torch.randn(tokens, in_f).to(dtype)
         check(torch.ops.nmsparse.cpu24_linear(x, values, bits, bias, None, out_f, -1, isa), x, w, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avx512_runs_one_or_two_tokens_on_the_avx2_rows(dtype):
+    if "avx512" not in cpu24.isas():
+        pytest.skip(f"this CPU cannot run avx512 (it runs {', '.join(cpu24.isas()) or 'no path'})")
+    values, bits = layout(pruned(64, 1040, dtype))
+    op = torch.ops.nmsparse.cpu24_linear
+    for tokens in (1, 2, 3, 5):
+        x = torch.randn(tokens, 1040).to(dtype)
+        same = torch.equal(op(x, values, bits, None, None, 64, -1, "avx512"), op(x, values, bits, None, None, 64, -1, "avx2"))
+        if tokens <= 2:
+            assert same, tokens
+        elif dtype == torch.float32:  # the AVX-512 rows sum 16 lanes, in another order than 8: other roundings
+            assert not same, tokens
+
+
+def test_the_default_isa_per_dtype():
+    here = cpu24.isas()
+    if not here:
+        pytest.skip("no 2:4 CPU kernel here")
+    assert cpu24.best_isa(torch.bfloat16) == "avx2"  # every CPU the kernel runs on has it
+    wide = "avx512" if "avx512" in here else "avx2"
+    assert cpu24.best_isa(torch.float32) == cpu24.best_isa(torch.float16) == wide
 
 
 @pytest.mark.parametrize("isa,dtype", PATH_DTYPES)

@@ -73,14 +73,22 @@ struct Isa {
   Nm24Rows rows;
   int64_t needs;  // isa_flags() bits
   bool bf16_pairs;
+  Nm24Rows few_tokens;  // the rows of a call of at most kFewTokens tokens (same activation layout), null: `rows`
 };
 
+// "avx512" runs one or two tokens with the AVX2 rows. On a Zen 5 core (1 thread, 8-16 cold [8192, 2048]
+// layers; benchmarks/cpu24_isa.py): one token tied with AVX2 at 4 streams each (fp32 9.1 against 9.4 ms,
+// bf16 4.9 against 4.8); two tokens took 14.6 ms in AVX-512 against 10.6 in AVX2 (fp32; bf16 14.0
+// against 6.9); from 3 tokens on, AVX-512 was the faster in fp32 (4 tokens: 13.1 against 16.9 ms; 64:
+// 125 against 215 ms).
+constexpr int64_t kFewTokens = 2;
+
 Isa isa_of(c10::string_view name) {
-  if (name == "avx2") return {nm24_rows_avx2, 1, false};
-  if (name == "avx512") return {nm24_rows_avx512, 2, false};
-  if (name == "avx512_bf16") return {nm24_rows_avx512_bf16, 4, true};
-  if (name == "emulated512") return {nm24_rows_emulated512, 0, false};
-  if (name == "emulated512_bf16") return {nm24_rows_emulated512_bf16, 0, true};
+  if (name == "avx2") return {nm24_rows_avx2, 1, false, nullptr};
+  if (name == "avx512") return {nm24_rows_avx512, 2, false, nm24_rows_avx2};
+  if (name == "avx512_bf16") return {nm24_rows_avx512_bf16, 4, true, nullptr};
+  if (name == "emulated512") return {nm24_rows_emulated512, 0, false, nullptr};
+  if (name == "emulated512_bf16") return {nm24_rows_emulated512_bf16, 0, true, nullptr};
   TORCH_CHECK(false, "nmsparse::cpu24_linear: unknown isa '", std::string(name),
               "'; accepted: avx512_bf16, avx512, avx2, emulated512, emulated512_bf16");
 }
@@ -199,7 +207,7 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
   Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), wdtype_of(values.scalar_type()),
              reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
              out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes()};
-  nm24_split(isa.rows, a, values.size(0), probe);
+  nm24_split(tokens <= kFewTokens && isa.few_tokens ? isa.few_tokens : isa.rows, a, values.size(0), probe);
   return (loops ? narrowed(out) : out.to(x.scalar_type())).view(out_shape);
 }
 
