@@ -47,8 +47,8 @@ temporary folder when no ``--model`` is given. ``--only`` picks parts (default: 
   prune      ``nmcompile prune DIR --recipe sparsegpt:2:4`` (the CLI, in a subprocess) on
              ``--calib-samples`` (64) windows of ``--calib-len`` (512) random token ids (a ``.pt``
              file made here), one pass and ``--sequential``: wall time and peak resident memory
-             (the process's ``VmHWM``). The command loads the model in fp32 and writes its output (removed
-             after); the wall time includes both.
+             (the process's ``VmHWM``). The command loads the model in its stored dtype (the solve runs in
+             float32 per weight) and writes its output (removed after); the wall time includes both.
 
 Targets (printed by ``--render``): 2:4 decode at >= 90% of the bytes bound against the best dense of
 the same dtype; 2:4 streaming at >= 75% of the measured read bandwidth; resident parameters within
