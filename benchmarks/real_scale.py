@@ -392,8 +392,9 @@ def decode(path: str, dtypes, threads, new_tokens: int, prompt: int, runs: int, 
             sparse_vs = variants_of("2:4", sparse_model, sparse_modes, threads)
             if not together:  # apart: time the 2:4 model, free it, then load the dense one
                 time_group(sparse_vs, ids, new_tokens, runs, slow)
+                # load + compile + decode, before the read probe's 512 MB buffer
+                row["rss_mb"]["peak with the 2:4 model alone"] = peak_rss_mb()
                 row["bandwidth_gbps"].append(cpu_deploy.bandwidth())
-                row["rss_mb"]["peak with the 2:4 model alone"] = peak_rss_mb()  # load + compile + decode
                 for v in sparse_vs:
                     v.model = v.forward = None
                 sparse_model = None
@@ -660,16 +661,20 @@ def targets(result: dict) -> list[str]:
         lines.append(f"| headline: bf16 2:4 against the best dense of any dtype | {v / best_any['dense'][0]:.2f}x "
                      f"({v:.2f} tok/s against {best_any['dense'][1]}, {best_any['dense'][0]:.2f} tok/s) | reported |")
     runs = result.get("firstcall", {}).get("runs", [])
+    # the first call as such, then with the load before it: a 2:4 model loaded from a packed directory
+    # is timed by the dispatch in load_pretrained, not after it
     for d in dict.fromkeys(x["dtype"] for x in runs):
-        by = {(x["kind"], x["process"]): x["first_call_s"] for x in runs if x["dtype"] == d}
-        if ("dense", "first") in by and ("2:4", "first") in by:
-            ratio = by[("2:4", "first")] / by[("dense", "first")]
-            lines.append(f"| {d}: first call of 2:4 <= 1.5x dense's, first process | {by[('2:4', 'first')]:.1f} s "
-                         f"against {by[('dense', 'first')]:.1f} s, {ratio:.2f}x | {ok(ratio <= 1.5)} |")
-        if ("dense", "second") in by and ("2:4", "second") in by:
-            extra = by[("2:4", "second")] - by[("dense", "second")]
-            lines.append(f"| {d}: first call of 2:4 <= dense's + 10 s, second process | {by[('2:4', 'second')]:.1f} s "
-                         f"against {by[('dense', 'second')]:.1f} s, {extra:+.1f} s | {ok(extra <= 10)} |")
+        for label, of in (("first call", lambda x: x["first_call_s"]),
+                          ("load + first call", lambda x: x["load_s"] + x["first_call_s"])):
+            by = {(x["kind"], x["process"]): of(x) for x in runs if x["dtype"] == d}
+            if ("dense", "first") in by and ("2:4", "first") in by:
+                ratio = by[("2:4", "first")] / by[("dense", "first")]
+                lines.append(f"| {d}: {label} of 2:4 <= 1.5x dense's, first process | {by[('2:4', 'first')]:.1f} s "
+                             f"against {by[('dense', 'first')]:.1f} s, {ratio:.2f}x | {ok(ratio <= 1.5)} |")
+            if ("dense", "second") in by and ("2:4", "second") in by:
+                extra = by[("2:4", "second")] - by[("dense", "second")]
+                lines.append(f"| {d}: {label} of 2:4 <= dense's + 10 s, second process | {by[('2:4', 'second')]:.1f} s "
+                             f"against {by[('dense', 'second')]:.1f} s, {extra:+.1f} s | {ok(extra <= 10)} |")
     lines += _prune_targets(result)
     return lines if len(lines) > 2 else []
 
