@@ -195,6 +195,19 @@ def test_calls_above_max_tokens_take_the_dense_gemm(resident):
     check(y_sparse, x, w, bias)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_dense_route_of_packed_weights_of_several_sizes_in_turn(dtype):
+    # a packed-only weight above max_tokens is unpacked into the calling thread's kept buffer: a larger
+    # weight grows it, a smaller one uses its start, and each product is the dense one bit for bit
+    layers = [pruned(out_f, in_f, dtype) for out_f, in_f in ((64, 96), (24, 32), (130, 160), (24, 32), (64, 96))]
+    for w in layers:
+        values, bits = layout(w)
+        x = torch.randn(5, w.shape[1]).to(dtype)
+        y = torch.ops.nmsparse.cpu24_linear(x, values, bits, None, None, w.shape[0], 0, cpu24.best_isa(dtype))
+        assert torch.equal(y, F.linear(x, w)), w.shape
+        assert torch.equal(cpu24.unpack(values, bits, w.shape[0]), w)
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("resident", [True, False])
 def test_gradients_with_and_without_bias_and_resident_weight(with_bias, resident):
