@@ -47,8 +47,8 @@ SOURCES = Path(__file__).with_name("cpu")
 #: ISA names the op takes, with the cpu24_isa() bits each needs. Measured on a Zen 5 core
 #: (``benchmarks/cpu24_isa.py``): ``avx512`` (one or two tokens on the AVX2 rows) was the fastest for
 #: fp32 and fp16 weights, ``avx2`` for bf16 ones (1-4 tokens, where the kernel beats dense bf16);
-#: ``avx512_bf16`` (bf16 pairs) no default picks: at one token it ran 0.82-1.13x dense bf16 against
-#: ``avx2``'s 3.1x, and from 16 tokens on, where it was the fastest of the three, dense bf16 (native
+#: ``avx512_bf16`` (bf16 pairs) no default picks: at one token it ran 0.82-1.26x dense bf16 against
+#: ``avx2``'s 2.3-3.3x, and from 16 tokens on, where it was the fastest of the three, dense bf16 (native
 #: there) beat all of them
 ISAS = {"avx512": 2, "avx2": 1, "avx512_bf16": 4}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -166,9 +166,7 @@ void unpack_rows(const Raw* v, const uint16_t* b, Raw* d, int64_t words, int64_t
 void unpack_into(const at::Tensor& values, const at::Tensor& bits, int64_t n, at::Tensor& dense) {
   const int64_t words = bits.size(1);
   const uint16_t* b = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
-  const bool wide = values.element_size() == 4;
-  TORCH_CHECK(wide || values.element_size() == 2, "nmsparse::cpu24_unpack: fp32, bf16 or fp16 values, got ",
-              values.scalar_type());
+  const bool wide = wdtype_of(values.scalar_type()) == NM24_F32;  // fp32, bf16 or fp16, else a named error
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     if (wide)
       unpack_rows(static_cast<const uint32_t*>(values.data_ptr()), b, static_cast<uint32_t*>(dense.data_ptr()), words, r0, r1);
