@@ -17,7 +17,7 @@
 //   PROBE=1  time a plain AVX2 read of the same arrays (values and bits, split as the kernel splits
 //            them) in place of the kernel: what the memory gives this access pattern's bytes
 //   HUGE=1   the arrays on 2 MB pages (madvise MADV_HUGEPAGE before they are first written)
-//   PF=BYTES the kernel's prefetch distance (the op's is 32768 on AMD, sparse24_op.cpp)
+//   PF=BYTES the kernel's prefetch distance (the op's is 32768 on AMD, cpu24_op.cpp)
 #include <sys/mman.h>
 #include <immintrin.h>
 
@@ -31,7 +31,7 @@
 #include <thread>
 #include <vector>
 
-#include "sparse24_args.h"
+#include "cpu24_args.h"
 
 // 2 MB-aligned arrays, on huge pages when HUGE is set (the kernel reads them; nothing else differs)
 template <class T>
@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
     other.join();
   };
   run(0);
-  double worst = 0;  // layout: sparse24_args.h
+  double worst = 0;  // layout: cpu24_args.h
   for (int64_t r = 0; r < n; ++r) {
     const int64_t group = r / NM24_GROUP, within = r % NM24_GROUP;
     double sum = 0;

@@ -56,7 +56,7 @@ def graph_ms(fn) -> float:
 
 
 def gemm_rows() -> list[dict]:
-    from nmcompile.kernels.inductor import sparse_linear
+    from nmcompile.kernels.deploy_op import sparse_linear
     from nmcompile.masks import prune
 
     rows = []

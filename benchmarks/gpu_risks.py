@@ -57,7 +57,7 @@ def _pruned(rows: int, cols: int, device, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def alg_id(device) -> list[dict]:
-    from nmcompile.kernels.inductor import compress, sparse_linear
+    from nmcompile.kernels.deploy_op import compress, sparse_linear
 
     w = _pruned(1024, 1024, device)
     values, meta = compress(w, "cusparselt")
@@ -96,8 +96,8 @@ def sm90_shapes(device) -> list[dict]:
 def cuda_graph(device) -> list[dict]:
     if torch.device(device).type != "cuda":
         return [row("cuda_graph", "capture", "skipped", "needs CUDA")]
-    from nmcompile.kernels.inductor import compress, sparse_linear
-    from nmcompile.kernels.training import sparse24_mm
+    from nmcompile.kernels.deploy_op import compress, sparse_linear
+    from nmcompile.kernels.train_gemms import sparse24_mm
 
     w = _pruned(1024, 1024, device)
     values, meta = compress(w, "cusparselt")
@@ -204,7 +204,7 @@ def silent_pruning(device, recipes=RECIPES, kernel: str = "cusparselt") -> list[
 
 
 def post_grad_passes(device) -> list[dict]:
-    from nmcompile.kernels.inductor import CacheKeyPass
+    from nmcompile.kernels.deploy_op import CacheKeyPass
 
     class Counting(CacheKeyPass):  # the user's pass: counts its calls
         calls = 0

@@ -186,7 +186,7 @@ def is_decoder_linear(name: str) -> bool:
 
 def layout_24(entries, tied: bool):
     """The layout record (nmcompile.json) of a model whose decoder linears are 2:4 along their input."""
-    from nmcompile.deploy.layout import Layout, LayoutWeight
+    from nmcompile.checkpoint.layout import Layout, LayoutWeight
     from nmcompile.pattern import NMPattern
 
     layout = Layout()
@@ -251,7 +251,7 @@ def write_model(out: str, shape: Shape | str, *, seed: int = 0, max_shard_size: 
             del block
             log(f"  {file}: {len(entries)} tensors ({time.perf_counter() - start:.0f} s)")
         if nm24:
-            from nmcompile.deploy.layout import write_layout
+            from nmcompile.checkpoint.layout import write_layout
 
             write_layout(tmp, layout_24(tensors(shape), shape.tied))
         if len(plan) > 1:

@@ -143,7 +143,7 @@ def one(args) -> dict:
 
     import warnings
 
-    from nmcompile.deploy.oneshot import calibrated, reset
+    from nmcompile.oneshot.solve import calibrated, reset
     from nmcompile.state.records import state_of
 
     with warnings.catch_warnings():

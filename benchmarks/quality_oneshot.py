@@ -22,7 +22,7 @@ import torch
 
 import nmcompile
 from nmcompile.app.run import train_run
-from nmcompile.deploy.oneshot import reset
+from nmcompile.oneshot.solve import reset
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "sparsegpt_seq")
 PATTERNS = ("2:4", "4:8", "1:4")

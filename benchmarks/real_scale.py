@@ -173,10 +173,10 @@ def load_24(path: str, dtype: torch.dtype) -> tuple[nn.Module, dict]:
 def release() -> None:
     """Collect garbage and hand the C heap's free pages back to the system: a freed tensor below
     glibc's mmap threshold (up to 32 MB: most weights here) stays resident otherwise."""
-    from nmcompile.deploy.oneshot import _trim_heap
+    from nmcompile.state.memory import trim_heap
 
     gc.collect()
-    _trim_heap()
+    trim_heap()
 
 
 def meta_model(path, dtype: torch.dtype) -> nn.Module:

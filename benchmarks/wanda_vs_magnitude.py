@@ -18,7 +18,7 @@ from nmcompile import masks
 from nmcompile.app.datasets import CharCorpus, shakespeare
 from quality import Task
 from quality_oneshot import calibration_batches
-from nmcompile.deploy.oneshot import calibrated
+from nmcompile.oneshot.solve import calibrated
 from nmcompile.state.records import state_of
 corpus = CharCorpus(shakespeare())
 task = Task("gpt", 0, corpus)

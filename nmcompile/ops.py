@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import masks
+from .masks.mvue import mvue
 
 __all__ = [
     "prune", "prune_decay", "mask_decay", "prune_when", "soft_threshold", "backward_mask_weight", "linear", "conv",
@@ -166,8 +167,6 @@ def fake_fp8(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def mvue_along(t: Tensor, n: int, m: int, dim: int) -> Tensor:
     """MVUE ``n:m`` of ``t`` along ``dim``, zero-padding that dimension to a multiple of ``m``."""
-    from .masks.mvue import mvue
-
     size = t.shape[dim]
     pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, (-size) % m]
     # contiguous before narrowing: a view narrowed from the padded layout has strides that depend on
@@ -301,11 +300,21 @@ def autocast_kernel(op, device_type: str, keep: tuple[int, ...] = ()):
     return kernel
 
 
-_LIB = torch.library.Library("nmsparse", "FRAGMENT")  # the GEMM ops' autocast kernels
-for _op in (linear, conv):
-    for _device in ("cpu", "cuda"):
-        _key = "Autocast" + torch._C._dispatch_key_for_device(_device)
-        _LIB.impl(_op._name, autocast_kernel(_op, _device), _key, with_keyset=True)
+#: The one ``nmsparse`` library fragment nmcompile's Python registers kernels on (a registration lives
+#: as long as its Library object: this module keeps it for the process).
+LIBRARY = torch.library.Library("nmsparse", "FRAGMENT")
+
+
+def register_autocast(op, devices=("cpu", "cuda"), keep: tuple[int, ...] = ()) -> None:
+    """Register :func:`autocast_kernel` of ``op`` for each of ``devices`` on :data:`LIBRARY`."""
+    name = op._name if hasattr(op, "_name") else op._schema.name.split("::", 1)[1]
+    for device in devices:
+        LIBRARY.impl(name, autocast_kernel(op, device, keep), "Autocast" + torch._C._dispatch_key_for_device(device),
+                     with_keyset=True)
+
+
+for _op in (linear, conv):  # the GEMM ops' autocast kernels
+    register_autocast(_op)
 
 #: Forward bodies given to Inductor so it traces (and fuses) the mask math.
 DECOMPOSITIONS = {

@@ -62,8 +62,9 @@ from unittest import mock
 import torch
 
 import nmcompile
-from nmcompile.kernels import dispatch, train_dispatch
-from nmcompile.kernels.packed import row_meta
+from nmcompile.kernels import dispatch
+from nmcompile.kernels.dispatch import train as train_dispatch
+from nmcompile.kernels.format24 import row_meta
 
 # the pass's module (nmcompile.passes exports a function of the same name)
 find_deployed_weights = importlib.import_module("nmcompile.passes.find_deployed_weights")

@@ -17,7 +17,7 @@ REFERENCE = ROOT / "docs" / "reference.md"  # the API and recipe tables the READ
 
 # The stages in the order the data takes; a module may import its own stage and those before it.
 STAGES = ["version", "pattern", "state", "masks", "ops", "training", "permute", "kernels", "recipes", "declare",
-          "passes", "deploy", "backends", "app", "__init__"]
+          "passes", "oneshot", "checkpoint", "deploy", "backends", "app", "__init__"]
 
 
 def test_import_is_lean():

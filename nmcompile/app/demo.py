@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .chargpt import CharGPT, GPTConfig
 from .datasets import CharCorpus, shakespeare
-from ..deploy.finalize import finalize
+from ..deploy.finalize import deploy_report, finalize
 from ..deploy.inspection import check
 from .demo_summary import format_summary, uses_kernel
 from .report import write_report
@@ -165,8 +165,6 @@ def _deployed(model, prompt, chars: int, inner: str) -> dict:
     """The finalized model deployed with ``backend="nmsparse"``: greedy text against the eager model's, which
     layers run the 2:4 kernel, and, only where some do, characters per second against dense compiled
     (one thread, interleaved: a ratio on a shared machine otherwise measures the neighbours)."""
-    from ..deploy.finalize import deploy_report
-
     model = model.eval()
     context = model.cfg.context
     # the deploy rewrite and its kernel decisions do not depend on the inner compiler: without a layer on the

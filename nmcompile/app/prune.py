@@ -41,6 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint import saving
+from ..declare.annotate import annotate
+from ..deploy.finalize import finalize
+from ..deploy.inspection import check as check_nm
+from ..oneshot.compute_dtype import compute_dtype, raised_per_module
+from ..oneshot.sequential import run_batch
+from ..recipes import parse
 from .progress import Progress
 
 __all__ = ["prune_model", "PruneSummary", "format_summary"]
@@ -139,8 +146,6 @@ def _inputs(batch: torch.Tensor, kind: str):
 
 
 def _logits(model, batch, kind: str = "pt"):
-    from ..deploy.sequential import run_batch
-
     out = run_batch(model, _inputs(batch, kind))
     return out if isinstance(out, torch.Tensor) else out.logits
 
@@ -156,9 +161,7 @@ def _vocab(model) -> int | None:
 
 def _loss(model, windows, batch_size: int, kind: str = "pt") -> float:
     """Mean next-token loss over ``windows``, in the dtype calibration computes in (one module raised
-    at a time where the model's own dtype is slow on this CPU: :mod:`nmcompile.deploy.compute_dtype`)."""
-    from ..deploy.compute_dtype import compute_dtype, raised_per_module
-
+    at a time where the model's own dtype is slow on this CPU: :mod:`nmcompile.oneshot.compute_dtype`)."""
     total, tokens = 0.0, 0
     model.eval()
     vocab = _vocab(model) or 1
@@ -235,12 +238,6 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
                 dtype: str = "auto", overwrite: bool = False, progress: bool = True) -> PruneSummary:
     """Prune ``model_path`` in one shot with ``recipe`` (``wanda`` or ``sparsegpt``); see the module doc.
     ``sequential``: None chooses by memory (see :func:`nmcompile.finalize`)."""
-    from ..declare.annotate import annotate
-    from ..deploy.finalize import finalize
-    from ..deploy.inspection import check as check_nm
-    from ..deploy.saving import check_disk, save_pretrained
-    from ..recipes import parse
-
     start = time.perf_counter()
     parsed = parse(recipe)
     if not parsed.calibrated:
@@ -266,7 +263,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     if not evals:
         raise ValueError(f"held-out text: {len(held)} tokens make no window of --seq-len {seq_len}; give --held-out "
                          "FILE or more calibration text")
-    check_disk(model, out, hf=kind == "hf", what="nmcompile prune")  # before the calibration, not after it
+    saving.check_disk(model, out, hf=kind == "hf", what="nmcompile prune")  # before the calibration, not after it
     model.eval()
     loss_before = _loss(model, evals, batch_size, kind)
     report = annotate(model, parsed, include=include, exclude=list(exclude) if exclude else None)
@@ -294,7 +291,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.partial-")
     try:
-        written = save_pretrained(model, tmp, tokenizer=hf_tokenizer, hf=kind == "hf")
+        written = saving.save_pretrained(model, tmp, tokenizer=hf_tokenizer, hf=kind == "hf")
         names = [os.path.relpath(path, tmp) for path in written]
         summary = PruneSummary(str(parsed), sorted(finalized), loss_before, loss_after, sum(len(w) for w in calib),
                                sum(len(w) for w in evals), time.perf_counter() - start,

@@ -19,7 +19,7 @@ import os
 import torch
 
 from ..training.diagnostics import diagnostics, plot_diagnostics, series_style
-from ..deploy.inspection import _effective
+from ..deploy.inspection import effective_records
 
 __all__ = ["write_report", "load_run", "save_run", "model_record"]
 
@@ -28,7 +28,7 @@ def model_record(model) -> dict:
     """The model's part of a run record: each annotated weight's recipe, diagnostics series and
     final sparsity (fraction of zeros in the forward weight)."""
     recipes, sparsity = {}, {}
-    for name, ann, weight in _effective(model):
+    for name, ann, weight in effective_records(model):
         recipes[name] = str(ann.recipe)
         sparsity[name] = float((weight == 0).float().mean())
     series = {name: {key: value.tolist() for key, value in entry.items()} for name, entry in diagnostics(model).items()}

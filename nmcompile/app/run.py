@@ -23,6 +23,7 @@ from ..training.optimizer_hook import hook_optimizer
 from .progress import Progress
 from ..recipes import parse
 from .report import model_record
+from ..recipes import RECIPES
 
 __all__ = ["train_run", "with_total_steps", "lr_at", "SCHEDULES"]
 
@@ -32,7 +33,6 @@ SCHEDULES = ("constant", "cosine")
 def with_total_steps(spec: str, steps: int) -> str:
     """``spec`` with ``total_steps=steps`` added when its recipe has that key and the spec omits it."""
     recipe = spec.split(",")[0].split(":")[0]
-    from ..recipes import RECIPES
 
     cls = RECIPES.get(recipe)
     fields = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()

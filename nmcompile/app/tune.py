@@ -4,7 +4,7 @@ decision cache, so that deploying processes (a server's every start) read them i
 The model is built from its ``config.json`` on the meta device (no weights read, no memory): each
 distinct linear shape (out, in, bias) is timed once per dtype, thread count and deploy route, on
 random 2:4 weights of that shape, exactly as a compile would time it
-(:func:`nmcompile.kernels.cpu_dispatch.measure_ladder`). Output heads and MoE routers, which a
+(:func:`nmcompile.kernels.dispatch.cpu.measure_ladder`). Output heads and MoE routers, which a
 declaration keeps dense by default, are left out unless asked for. Run it on a quiet machine: a
 timing that cannot be right is not stored, and the table says so.
 """
@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from ..declare.defaults import default_reason
+from ..kernels import cpu24
+from ..kernels.dispatch import cache as decision_cache
+from ..kernels.dispatch.cpu import CPU_LADDER, max_tokens_of, measure_ladder, provenance
 
 __all__ = ["linear_shapes", "tune", "format_table", "Tuned", "ROUTES"]
 
@@ -60,7 +64,6 @@ def linear_shapes(model_dir: str | Path, include_heads: bool = False):
     except ImportError as err:
         raise ImportError(f"nmcompile tune reads the model's config with transformers, which is not installed "
                           f"({err}); pip install transformers") from err
-    from ..declare.defaults import default_reason
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device("meta"):
@@ -92,9 +95,6 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
     config's, fp32 where it names none); ``routes``: names from :data:`ROUTES`; ``tokens``: static
     token counts to time as well (a graph compiled for a fixed count times that count alone; the
     default is the dynamic ladder only). Returns the rows and the layers left out, with why."""
-    from ..kernels import cpu24, decision_cache
-    from ..kernels.cpu_dispatch import CPU_LADDER, max_tokens_of, measure_ladder, provenance
-
     if not decision_cache.enabled():
         raise ValueError(f"the decision cache is off ({decision_cache.SWITCH_ENV}="
                          f"{os.environ[decision_cache.SWITCH_ENV]}): tune would time and keep nothing; "
@@ -132,8 +132,6 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
 
 
 def format_table(rows: list[Tuned], skipped: dict[str, str]) -> str:
-    from ..kernels import decision_cache
-
     head = ("shape [out, in]", "bias", "dtype", "threads", "route", "layers", "sparse for tokens", "dense/sparse time",
             "cache")
     lines = []

@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from ..kernels.dispatch import DECISION_ATTR
-from ..kernels.inductor import compress
+from ..kernels.deploy_op import compress
 
 log = logging.getLogger("nmcompile")
 

@@ -4,7 +4,7 @@ Options (``torch.compile(model, backend="nmsparse", options={...})``):
 
 - ``recipe``, ``include``, ``exclude``: a plan for every weight the pattern selects;
 - ``inner``: ``"inductor"`` (default), or ``"aot_eager"``/``"eager"`` for debugging;
-- ``projections``: how Inductor builds the recipes' mask ops (:mod:`nmcompile.kernels.shared`):
+- ``projections``: how Inductor builds the recipes' mask ops (:mod:`nmcompile.backends.shared_projections`):
   ``"inline"`` fuses each weight's projection into the graph (every weight code-generated on its
   own, about a second of compile per sparsified weight on a CPU); ``"shared"`` calls one kernel per
   distinct weight signature, compiled once; ``"auto"`` (default) shares the projections whose
@@ -12,7 +12,7 @@ Options (``torch.compile(model, backend="nmsparse", options={...})``):
   without Inductor settings, and inlines the rest (the shared kernels are compiled with Inductor's
   default settings, and their per-call cost on a GPU has not been measured);
 - ``train_kernel``: which kernels the training GEMMs whose operands a 2:4 recipe makes 2:4 use
-  (:mod:`nmcompile.kernels.train_dispatch`): ``"auto"`` (default: cuSPARSELt where it can run and
+  (:mod:`nmcompile.kernels.dispatch.train`): ``"auto"`` (default: cuSPARSELt where it can run and
   was timed faster, else dense), ``"dense"``, ``"cusparselt"``, ``"cutlass"`` (an error where they
   cannot run), ``"reference"`` (the packed layout and a dense product, any device);
 - ``mode``: a ``torch.compile`` mode (``"reduce-overhead"`` for CUDA graphs, ``"max-autotune"``...),
@@ -32,6 +32,9 @@ from torch import fx
 
 from ..declare.plan import Plan
 from ..recipes.base import nearest
+from .shared_projections import repeated_signatures
+from .inductor_cache import Decompositions, with_cache_key
+from ..kernels.names import TRAIN_CHOICES
 
 __all__ = ["Inner", "parse_options", "NM_OPTIONS", "INNER", "PROJECTIONS"]
 
@@ -70,7 +73,6 @@ class Inner:
         on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
         if not on_cpu or self.patches:
             return None
-        from ..kernels.shared import repeated_signatures
 
         repeated = repeated_signatures(gm)
         return tuple(sorted(repeated, key=repr)) if repeated else None
@@ -84,7 +86,6 @@ class Inner:
         else:
             from torch._inductor.compile_fx import compile_fx
 
-            from ..kernels.inductor import Decompositions, with_cache_key
 
             share = self.shared_projections(gm, example_inputs)
             decompositions = Decompositions(share)
@@ -102,14 +103,12 @@ class Inner:
 
 def parse_options(options, mode) -> tuple[Plan | None, Inner, str]:
     """``(plan or None, inner compiler, train_kernel)`` from the backend options (without ``deploy_kernel``)."""
-    from ..kernels.train_dispatch import TRAIN_KERNELS
-
     options = dict(options or {})
     train_kernel = options.pop("train_kernel", "auto")
-    if train_kernel not in TRAIN_KERNELS:
+    if train_kernel not in TRAIN_CHOICES:
         raise ValueError(
-            f"nmsparse option train_kernel={train_kernel!r} is not one of {', '.join(TRAIN_KERNELS)}"
-            f"{nearest(str(train_kernel), TRAIN_KERNELS)}"
+            f"nmsparse option train_kernel={train_kernel!r} is not one of {', '.join(TRAIN_CHOICES)}"
+            f"{nearest(str(train_kernel), TRAIN_CHOICES)}"
         )
     recipe = options.pop("recipe", None)
     include, exclude = options.pop("include", None), options.pop("exclude", None)

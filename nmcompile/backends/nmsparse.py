@@ -26,15 +26,17 @@ from torch import fx
 from ..declare.annotate import annotation_of, attach, state_of
 from ..state.records import deployed_of, refresh_if_replaced
 from ..passes import DEPLOY_PASSES, REWRITE_PASSES, TRAIN_PASSES, PassContext, run_passes
-from ..passes._sources import source_name
+from ..passes.matching.sources import source_name
 from ..declare.plan import Plan
+from ..kernels.names import DEPLOY_CHOICES
 from .inner import Inner, parse_options
 from .reconcile import Holding, declare_plan, fresh_state_message, report, warn_if_mixed, warn_if_trained
+from ..training.step_driver import driver
+from .deploy_runner import DeployRunner, record_decisions
 
 __all__ = ["nmsparse_backend"]
 
 
-DEPLOY_KERNELS = ("auto", "dense", "cusparselt", "cpu24", "reference")
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -171,8 +173,6 @@ class _CompiledNM:
     def _watch(self, owners, anns) -> None:
         """Have the step driver count optimizer steps for these modules' clocked weights."""
         if self.driver is None:
-            from ..training.step_driver import driver
-
             self.driver = driver()
         for slot, ann in zip(self.slots, anns):
             if ann.recipe.clocked:
@@ -270,8 +270,8 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
     strict = options.pop("strict", False)
     if not isinstance(strict, bool):
         raise ValueError(f"nmsparse option strict={strict!r} must be True or False")
-    if deploy_kernel not in DEPLOY_KERNELS:
-        raise ValueError(f"nmsparse option deploy_kernel={deploy_kernel!r} is not one of {', '.join(DEPLOY_KERNELS)}")
+    if deploy_kernel not in DEPLOY_CHOICES:
+        raise ValueError(f"nmsparse option deploy_kernel={deploy_kernel!r} is not one of {', '.join(DEPLOY_CHOICES)}")
     plan, inner, train_kernel = parse_options(options, mode)
     ctx = PassContext(
         options_plan=plan, env_plan=Plan.from_env(), deploy_kernel=deploy_kernel, train_kernel=train_kernel,
@@ -288,8 +288,6 @@ def nmsparse_backend(gm: fx.GraphModule, example_inputs, *, options=None, mode=N
         run_passes(work, DEPLOY_PASSES, ctx)
         warn_if_trained(ctx, strict)
         if ctx.deployed:
-            from .deploy_runner import DeployRunner, record_decisions
-
             record_decisions(ctx)
             example = [*example_inputs, *_static([t for pair in ctx.compressed.values() for t in pair])]
             key = repr([(t.fqn, t.decision.graph_key) for t in ctx.deployed])

@@ -16,8 +16,9 @@ import torch
 from torch import fx
 
 from ..passes import PassContext
-from ..passes._sources import owning_module, parameter_fqn, parameter_placeholders, root_module
+from ..passes.matching.sources import owning_module, parameter_fqn, parameter_placeholders, root_module
 from ..state.records import deployed_of
+from ..training.step_driver import driver as step_driver
 
 __all__ = ["report", "fresh_state_message", "warn_if_trained", "warn_if_mixed", "declare_plan", "Holding"]
 
@@ -134,7 +135,6 @@ def declare_plan(gm: fx.GraphModule, ctx: PassContext):
     root = root_module(params[0][2])
     if root is None:
         return None
-    from ..training.step_driver import driver as step_driver
 
     live = step_driver()
     live.declare(root, routes[0][1], routes[0][0], set(ctx.skipped))

@@ -29,6 +29,7 @@ from .plan import Plan
 from ..recipes.base import Recipe
 from ..state.records import RECIPES, WeightAnnotation, annotation_of, owners, settle, state_dict_of, state_of
 from ..state.sharding import full, is_sharded
+from .. import masks
 
 __all__ = ["annotate", "AnnotationReport", "attach", "detach_recipe", "WeightAnnotation", "annotation_of", "state_of",
            "state_dict_of"]
@@ -111,8 +112,6 @@ def _before_load(module, state_dict, prefix, local_metadata, strict, missing_key
       copy into a meta model is a no-op) leaves a pending annotation pending.
     ``state_dict`` is ``load_state_dict``'s own copy, so filling it in leaves the caller's dict as it was.
     """
-    from .. import masks
-
     assign = bool(local_metadata.get("assign_to_params_buffers", False))
     for pname, ann in list(records.table(module, RECIPES).items()):
         if pname not in module._parameters:
@@ -213,7 +212,7 @@ class AnnotationReport:
         return "\n".join(lines)
 
 
-def _skip_reason(places, recipe: Recipe | NMPattern) -> tuple[str | None, int | None]:
+def skip_reason(places, recipe: Recipe | NMPattern) -> tuple[str | None, int | None]:
     mname, module, pname = places[0]
     param = module._parameters[pname]
     embedding = [m for m, mod, _ in places if isinstance(mod, (nn.Embedding, nn.EmbeddingBag))]
@@ -277,7 +276,7 @@ def annotate(model: nn.Module, recipe_or_rules, *, include=None, exclude=None, d
         if recipe is None:
             report.skipped[name] = plan.filtered_out(name, shape) or "no rule selects it (kept dense)"
             continue
-        reason, dim = _skip_reason(places, recipe)
+        reason, dim = skip_reason(places, recipe)
         if reason is not None:
             if strict:
                 raise ValueError(f"cannot apply {recipe} to {name!r}: {reason}")

@@ -1,20 +1,19 @@
-"""Deploying a trained model: bake the N:M weights (:func:`finalize`), verify them (:func:`check`),
-store them packed (:func:`pack_state_dict`), export them (:func:`export_onnx`, :mod:`.tensorrt`),
-save them with their N:M layout and load them back as deployed (:func:`save_pretrained`,
-:func:`load_pretrained`, :func:`restore`; the record: :mod:`.layout`).
+"""Deploying a trained model: bake the N:M weights (:func:`finalize`), verify them (:func:`check`,
+:mod:`.inspection`), export them (:func:`export_onnx`, :mod:`.tensorrt`).
+
+The user's one place for deployment: it also hands on what the saved directory stage
+(:mod:`nmcompile.checkpoint`) does, :func:`save_pretrained`, :func:`load_pretrained`, :func:`restore`,
+:func:`pack_weights`, and the packed format's :func:`pack_state_dict` (:mod:`nmcompile.kernels.format24`).
 
 The compiled deploy graph itself is built by the ``nmsparse`` backend (``nmcompile.backends``) with
 the kernels of :mod:`nmcompile.kernels`. ONNX and TensorRT load only when an export is asked for.
 """
 
-from ..kernels.packed import Packed24, pack, pack_state_dict, unpack, unpack_state_dict
+from ..checkpoint import (Layout, PackedLinearWeight, layout_of, load_packed, load_pretrained, pack_weights,
+                          read_layout, restore, save_pretrained, unpack_weights)
+from ..kernels.format24 import Packed24, pack, pack_state_dict, unpack, unpack_state_dict
 from .finalize import FinalizeReport, deploy_report, finalize
 from .inspection import CheckReport, check, effective_weights
-from .layout import Layout, layout_of, read_layout
-from .loading import load_pretrained
-from .packed_weights import PackedLinearWeight, load_packed, pack_weights, unpack_weights
-from .restore import restore
-from .saving import save_pretrained
 
 __all__ = ["finalize", "FinalizeReport", "deploy_report", "check", "CheckReport", "effective_weights",
            "pack", "unpack", "pack_state_dict", "unpack_state_dict", "Packed24", "export_onnx",

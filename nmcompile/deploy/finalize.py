@@ -11,65 +11,22 @@ backend can rewrite its GEMMs to sparse kernels.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .. import masks
 from ..state import records
-from ..declare.annotate import _skip_reason, annotation_of, detach_recipe
-from .inspection import _effective
-from .calibrate import solve_one_shot
+from ..declare.annotate import skip_reason, annotation_of, detach_recipe
+from .inspection import effective_records
+from ..oneshot.calibrate import solve_one_shot
 from ..pattern import NMPattern
+from ..state.deployed import Deployed, FinalizeReport
 from ..state.records import DEPLOYED, deployed_of, owners
 from ..state.sharding import full
+from ..kernels.dispatch import DECISION_ATTR
 
 __all__ = ["finalize", "FinalizeReport", "Deployed", "deployed_of", "deploy_report"]
-
-
-@dataclass(frozen=True)
-class Deployed:
-    """A finalized weight: N:M along ``dim``, trained with ``recipe``.
-
-    ``recipe`` is ``""`` for a weight recorded by ``finalize(model, pattern=...)`` from a loaded
-    checkpoint. The owning module keeps the record under the parameter's name, so it stays through
-    ``load_state_dict(assign=True)``, ``copy.deepcopy`` and anything else that replaces the parameter.
-    """
-
-    pattern: NMPattern
-    dim: int
-    recipe: str
-    change: float = 0.0  # relative L2 change of the forward weight that finalize(force=True) made
-    # why the compiled graph left the declared weight dense (it trained dense; finalize(force=True) pruned it)
-    trained_dense: str = ""
-
-    def describe(self) -> str:
-        how = f"trained with {self.recipe}" if self.recipe else "loaded N:M"
-        if self.trained_dense:
-            how = f"trained dense, pruned by magnitude at finalize: {self.trained_dense}"
-        changed = f", changed by {self.change:.3g} (forced)" if self.change else ""
-        return f"{self.pattern} along dim {self.dim} ({how}){changed}"
-
-
-class FinalizeReport(dict):
-    """``{parameter name: Deployed}`` of every finalized weight; ``dense``: ``{name: why}`` of the
-    weights ``finalize(model, pattern=...)`` looked at and left dense."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dense: dict[str, str] = {}
-        #: one-shot recipes (Wanda, SparseGPT): ``{name: [what was done instead of the normal solve]}``
-        self.fallbacks: dict[str, list[str]] = {}
-        #: one-shot recipes: how they were calibrated (one pass or sequential) and why
-        self.calibration = ""
-
-    def __str__(self) -> str:
-        lines = [f"nmcompile.finalize: {len(self)} weights are N:M"]
-        lines += [f"  {name}: {d.describe()}" for name, d in self.items()]
-        lines += [f"  - {name}: dense, {why}" for name, why in self.dense.items()]
-        lines += [f"  ! {note}" for notes in self.fallbacks.values() for note in notes]
-        return "\n".join(lines)
 
 
 def _loaded(model: nn.Module, pattern: NMPattern, report: FinalizeReport) -> list:
@@ -81,7 +38,7 @@ def _loaded(model: nn.Module, pattern: NMPattern, report: FinalizeReport) -> lis
         param = module._parameters[pname]
         if param.dim() < 2 or annotation_of(module, pname) is not None or deployed_of(module, pname) is not None:
             continue  # biases and norms never take a pattern
-        reason, dim = _skip_reason(places, pattern)
+        reason, dim = skip_reason(places, pattern)
         if reason is None:
             bad, total = masks.count_violations(full(param.detach()), pattern.n, pattern.m, dim)
             if not bad:
@@ -134,7 +91,7 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
             in the order the model runs them, each calibrated on the outputs of the blocks already
             pruned (SparseGPT's sequential form; needs ``calibration``). With batches it costs about
             one forward pass: the first block's inputs are caught once and each block runs alone on
-            them (:mod:`nmcompile.deploy.sequential`); with a function, or blocks that do not form a
+            them (:mod:`nmcompile.oneshot.sequential`); with a function, or blocks that do not form a
             chain, the model runs again before each block, in the order the model runs its blocks (learnt
             from one more call of the function, run eagerly and stopped after the model's first forward;
             the order is named in ``report.calibration`` where it is not registration order). ``None`` (the default): sequential when one
@@ -147,9 +104,9 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
         compute_dtype: the dtype calibration batches run in (each block of a sequential solve, else the
             whole model, raised while it runs and written back in its own dtype after). ``None``: float32
             for a bf16/fp16 model on a CPU without native arithmetic for it (AVX2), else the model's
-            dtype (:mod:`nmcompile.deploy.compute_dtype`); the choice is in ``report.calibration``.
+            dtype (:mod:`nmcompile.oneshot.compute_dtype`); the choice is in ``report.calibration``.
 
-    One-shot weights are solved first (:mod:`nmcompile.deploy.oneshot`); what was done instead of the
+    One-shot weights are solved first (:mod:`nmcompile.oneshot.solve`); what was done instead of the
     normal solve for a weight (no token reached it: magnitude; a singular Hessian) is warned about
     and listed in ``report.fallbacks``.
 
@@ -165,7 +122,7 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     baked, problems, changed = [], [], []
     broken: dict[str, str] = {}
     dense_trained: list[str] = []
-    for name, ann, weight in _effective(model, broken):
+    for name, ann, weight in effective_records(model, broken):
         if name in broken:
             continue
         nm, dim = ann.recipe.pattern, ann.dim
@@ -258,8 +215,6 @@ def deploy_report(model: nn.Module) -> dict[str, object]:
     or :func:`nmcompile.deploy.pack_weights` packed the weight;
     before that the entry is the string ``"not compiled yet"``.
     """
-    from ..kernels.dispatch import DECISION_ATTR
-
     out: dict[str, object] = {}
     for name, places in owners(model):
         _, module, pname = places[0]

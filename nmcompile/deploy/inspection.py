@@ -8,16 +8,18 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from .compliance import CheckReport, WeightCheck, check_one, selects
+from ..masks.compliance import CheckReport, WeightCheck, check_one, selects
 from ..pattern import NMPattern
 from ..state import records
 from ..state.records import WeightAnnotation, annotation_of, deployed_of, owners, state_of
 from ..state.sharding import full
+from ..checkpoint.file_checks import check_path
+from ..checkpoint.file_checks import check_state
 
 __all__ = ["effective_weights", "check", "CheckReport", "WeightCheck"]
 
 
-def _effective(model: nn.Module, problems: dict | None = None) -> Iterator[tuple[str, WeightAnnotation, torch.Tensor]]:
+def effective_records(model: nn.Module, problems: dict | None = None) -> Iterator[tuple[str, WeightAnnotation, torch.Tensor]]:
     """``(name, annotation, effective weight)`` of every annotated weight; ``problems`` (when given)
     gets ``{name: what is wrong with its recipe state}`` for each weight whose state is none its
     recipe makes."""
@@ -65,7 +67,7 @@ def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     ``x @ W.t()``, along two reduction dims: the compile warning names it) is its dense parameter,
     which is what that graph's forward uses; :func:`check` names it.
     """
-    return {name: weight for name, _, weight in _effective(model)}
+    return {name: weight for name, _, weight in effective_records(model)}
 
 
 def _state_message(problem: str, buffers: tuple[str, ...], calibrated: bool = False) -> str:
@@ -74,7 +76,7 @@ def _state_message(problem: str, buffers: tuple[str, ...], calibrated: bool = Fa
         return (
             f"{problem}: its calibration statistics ({', '.join(buffers)}) are paused (a sequential finalize pauses "
             "the blocks it is not calibrating with a count of -1), so calibration adds nothing to them. Reset them "
-            "with nmcompile.deploy.oneshot.reset(model) and calibrate again"
+            "with nmcompile.oneshot.solve.reset(model) and calibrate again"
         )
     return (
         f"{problem}: its recipe state ({', '.join(buffers)}) was not written by "
@@ -103,12 +105,12 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None
     Args:
         obj: an annotated or finalized ``nn.Module``, a ``{name: tensor}`` state dict (packed 2:4
             entries are unpacked) or a checkpoint dict that holds one (``{"model": sd, "epoch": 3}``,
-            see :func:`nmcompile.deploy.state_dicts.find_state_dict`), or the path of a model directory
+            see :func:`nmcompile.checkpoint.state_dicts.find_state_dict`), or the path of a model directory
             written by :func:`nmcompile.deploy.save_pretrained` or ``nmcompile prune``, a ``.safetensors``
             file, an ``.onnx`` file or a ``torch.save``'d state dict or checkpoint. A directory, or a file
             in it, is checked with its layout record (``nmcompile.json``: each weight along its recorded
             dim, with its recorded pattern; the weights it keeps dense are listed as not checked), see
-            :mod:`nmcompile.deploy.file_checks`.
+            :mod:`nmcompile.checkpoint.file_checks`.
         pattern: ``NMPattern`` or ``"2:4"``. Default: each weight's recipe pattern for a model, the
             recorded one for a file with a layout record, 2:4 for other state dicts.
         dim: grouping dimension for state-dict tensors (1 for Linear/Conv, 0 for GPT-2 Conv1D).
@@ -129,7 +131,7 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None
     report = CheckReport()
     if isinstance(obj, nn.Module):
         problems: dict[str, str] = {}
-        for name, ann, weight in _effective(obj, problems):
+        for name, ann, weight in effective_records(obj, problems):
             if selects(report, name, only):
                 problem = (_left_dense(ann) or problems.get(name)
                            or (_UNSOLVED.format(recipe=ann.recipe) if ann.recipe.calibrated else ""))
@@ -146,11 +148,8 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None
             from .onnx import check_onnx
 
             return check_onnx(obj, pattern, dim=1 if dim is None else dim, only=only)
-        from .file_checks import check_path
 
         return check_path(obj, pattern, dim, only)
     if isinstance(obj, Mapping):
-        from .file_checks import check_state
-
         return check_state(obj, pattern, dim, only)
     raise TypeError(f"check takes an nn.Module or a state dict, got {type(obj).__name__}")

@@ -23,8 +23,9 @@ from torch import nn
 
 from ..state.records import annotation_of, deployed_of
 from ..state.records import owners
-from .compliance import CheckReport, check_one, selects
+from ..masks.compliance import CheckReport, check_one, selects
 from ..pattern import NMPattern
+from ..kernels.cpu24.weight import PackedLinearWeight
 
 __all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]
 
@@ -146,7 +147,6 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
     from onnx import numpy_helper
 
     finalized = _finalized(model)
-    from ..kernels.packed_tensor import PackedLinearWeight
 
     packed = [name for name, param in model.named_parameters() if isinstance(param, PackedLinearWeight)]
     if packed:

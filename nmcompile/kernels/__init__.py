@@ -1,18 +1,16 @@
-"""The sparse GEMMs and the choice between them.
+"""The sparse GEMMs and the choice between them, one file or package per format, phase and device.
 
-- :mod:`.packed`: the 2:4 packed format (values + metadata), on any device;
-- :mod:`.inductor`: the ``nmsparse::sparse_linear`` op (cuSPARSELt, or the packed reference), weight
-  compression, and the Inductor cache key;
-- :mod:`.dispatch`: which kernel a layer may use (:func:`~.dispatch.qualify`) and whether it is
-  faster than dense (:func:`~.dispatch.measure`; on a CPU :func:`.cpu_dispatch.measure_cpu`);
-- :mod:`.cpu24`: the native 2:4 CPU kernel (C++ in ``cpu/``, built at first use), its layout and
-  ``nmsparse::cpu24_*`` ops; :mod:`.packed_tensor`: a weight held packed only, on that kernel;
-- :mod:`.training`: the 2:4 GEMMs inside training (``nmsparse::sparse24_mm``, compressing its operand
-  at each call, and ``nmsparse::sparse_train_linear``, a linear whose forward, DGRAD and WGRAD each
-  take a kernel; ``nmsparse::sparse_train_linear_gated``, the same for STEP's phase-gated forward,
-  which CUDA graphs leave out);
-- :mod:`.train_dispatch`: which kernel each training GEMM gets, timed against dense on CUDA;
-- :mod:`.shared`: one compiled kernel shared by layers whose mask ops have the same signature.
-
-Imported lazily where it needs Inductor; importing this folder's face loads nothing.
+- :mod:`.names`: every kernel name the package accepts, in one table;
+- :mod:`.format24`: the nibble format of 2:4 weights (values + 2-bit positions) that checkpoints, CUTLASS
+  and the reference kernel use, on any device;
+- :mod:`.cpu24`: the CPU kernel: its own layout (values + 16-bit position words), the native library (C++
+  ``cpu24_*`` sources beside its ``__init__``, built at first use), its ``nmsparse::cpu24_*`` ops, and
+  :class:`.cpu24.weight.PackedLinearWeight`, the tensor that holds a weight in that layout only;
+- :mod:`.deploy_op`: ``nmsparse::sparse_linear``, the deploy op of a finalized layer (cuSPARSELt, the CPU
+  kernel or the reference);
+- :mod:`.train_gemms`: ``nmsparse::sparse24_mm`` and the training linears whose forward, input-gradient and
+  weight-gradient products take 2:4 operands;
+- :mod:`.dispatch`: which kernel each layer gets and why: the rules and cuSPARSELt's timing (its
+  ``__init__``), the CPU kernel's timing (:mod:`.dispatch.cpu`) and its on-disk cache
+  (:mod:`.dispatch.cache`), and the training GEMMs' choice (:mod:`.dispatch.train`).
 """

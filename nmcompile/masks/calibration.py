@@ -119,7 +119,7 @@ def _patches(x: torch.Tensor, conv: list[int]) -> torch.Tensor:
 
 def zero_undefined(stat: torch.Tensor, count: torch.Tensor) -> None:
     """Zero the statistics whose ``count`` is 0: they are undefined until their first rows (uninitialised
-    when the recipe is declared, or released by :func:`nmcompile.deploy.oneshot.reset`)."""
+    when the recipe is declared, or released by :func:`nmcompile.oneshot.solve.reset`)."""
     fresh = count == 0
     if fresh.dim() == 0:
         if bool(fresh):
@@ -132,7 +132,7 @@ def accumulate(stat: torch.Tensor, count: torch.Tensor, x: torch.Tensor, who, ex
     """Add the rows ``x`` to ``stat`` (``X^T X`` if ``gram``, else the per-column sum of squares) and
     their number to ``count``, in float32 (``stat``'s dtype), per expert (see :func:`input_rows`).
     A negative ``count`` pauses the weight: nothing is added, ``stat`` is not touched (see
-    :func:`nmcompile.deploy.oneshot.solve_sequential`). Where ``count`` is 0, ``stat`` is undefined and
+    :func:`nmcompile.oneshot.solve.solve_sequential`). Where ``count`` is 0, ``stat`` is undefined and
     is zeroed first."""
     lowest = int(count.min())
     if lowest < 0:

@@ -43,7 +43,7 @@ import operator
 
 import torch
 
-from .transposable_exact import _MAX_TABLE_M, FUSED_MIN_TILES, _chunks, _exact_tiles, _pattern_table, fused_2_4
+from .transposable_exact import MAX_TABLE_M, FUSED_MIN_TILES, chunks, exact_tiles, pattern_table, fused_2_4
 
 __all__ = ["transposable_mask", "tile_counts", "is_transposable"]
 
@@ -150,7 +150,7 @@ def _greedy_tiles(a: torch.Tensor, n: int) -> torch.Tensor:
     """
     t, m, _ = a.shape
     out = torch.empty(t, m, m, dtype=torch.bool, device=a.device)
-    for s in _chunks(t, _GREEDY_ELEMS // (m * m)):
+    for s in chunks(t, _GREEDY_ELEMS // (m * m)):
         out[s] = _greedy_chunk(a[s], n)
     return out
 
@@ -182,7 +182,7 @@ def _greedy_chunk(a: torch.Tensor, n: int) -> torch.Tensor:
         sub_a = a[stuck]
         before = keep[stuck]
         fixed = torch.empty_like(before)
-        for s in _chunks(stuck.numel(), _REPAIR_ELEMS // (m * m)):
+        for s in chunks(stuck.numel(), _REPAIR_ELEMS // (m * m)):
             fixed[s] = _repair(sub_a[s], before[s], row_used[stuck[s]], col_used[stuck[s]], n)
         # the half-optimum check; the exact solver answers for any tile that fails it
         a64 = sub_a.double()
@@ -193,7 +193,7 @@ def _greedy_chunk(a: torch.Tensor, n: int) -> torch.Tensor:
         bound = torch.minimum(2 * kept_before, torch.minimum(row_bound, col_bound))
         weak = (2 * kept_after < bound).nonzero().squeeze(1)
         if weak.numel():
-            fixed[weak] = _exact_tiles(sub_a[weak], n)
+            fixed[weak] = exact_tiles(sub_a[weak], n)
         keep[stuck] = fixed
     return keep
 
@@ -250,7 +250,7 @@ def _fused_mask(w: torch.Tensor) -> torch.Tensor:
         a16.copy_(tiles).abs_()
     big = torch.finfo(torch.float32).max
     a16 = torch.nan_to_num_(a16, nan=0.0, posinf=big).reshape(16, -1)  # as _magnitudes
-    index, table = fused_2_4(a16), _pattern_table(2, 4).to(w.device)
+    index, table = fused_2_4(a16), pattern_table(2, 4).to(w.device)
     out = torch.empty(w.shape, dtype=torch.bool, device=w.device)
     if not rest:  # a tile row's 4 entries are adjacent bytes: move each as one int32 (4x faster)
         rows = torch.index_select(table.view(torch.uint8).view(torch.int32), 0, index)  # [tiles, 4]
@@ -283,14 +283,14 @@ def transposable_mask(w: torch.Tensor, n: int, m: int, method: str = "auto", *, 
     if w.dtype == torch.bool:
         raise ValueError("transposable_mask needs a numeric weight, got a bool tensor")
     if method == "auto":
-        method = "exact" if m <= _MAX_TABLE_M else "greedy"
+        method = "exact" if m <= MAX_TABLE_M else "greedy"
     with torch.no_grad():
         if method == "exact" and (n, m) == (2, 4) and _fused_pays(w, repeated):
             return _fused_mask(w)
         tiles = _to_tiles(_magnitudes(w), m)
         if tiles.shape[0] == 0:
             return torch.zeros(w.shape, dtype=torch.bool, device=w.device)
-        keep = _exact_tiles(tiles, n) if method == "exact" else _greedy_tiles(tiles, n)
+        keep = exact_tiles(tiles, n) if method == "exact" else _greedy_tiles(tiles, n)
         return _from_tiles(keep, w.shape, m)
 
 

@@ -15,14 +15,14 @@ import itertools
 import torch
 
 _QUANT_BITS = 40  # magnitudes become integers <= 2**40, float64 sums exact for m < 4096
-_MAX_TABLE_M = 4  # exact by enumeration up to 4x4 tiles (at most 90 patterns, 16 entries each)
+MAX_TABLE_M = 4  # exact by enumeration up to 4x4 tiles (at most 90 patterns, 16 entries each)
 
 # tiles per chunk, so that the per-chunk work tensors stay around tens of MB
 _TABLE_CHUNK = 1 << 16
 _FLOW_ELEMS = 1 << 20
 
 
-def _chunks(total: int, size: int):
+def chunks(total: int, size: int):
     size = max(1, size)
     for start in range(0, total, size):
         yield slice(start, min(start + size, total))
@@ -38,7 +38,7 @@ def _quantize(a: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _pattern_table(n: int, m: int) -> torch.Tensor:
+def pattern_table(n: int, m: int) -> torch.Tensor:
     """All m x m 0/1 matrices with n ones per row and per column, flattened row-major ``[P, m*m]``.
 
     Order: lexicographic in the rows' column choices (row 0 first, each row's choices in
@@ -59,10 +59,10 @@ def _pattern_table(n: int, m: int) -> torch.Tensor:
 def _exact_by_table(a: torch.Tensor, n: int) -> torch.Tensor:
     """Optimal masks ``[T, m, m]`` by scoring every valid pattern (small m only)."""
     t, m, _ = a.shape
-    table = _pattern_table(n, m).to(a.device)
+    table = pattern_table(n, m).to(a.device)
     weights = table.double().t()  # [m*m, P]
     out = torch.empty(t, m * m, dtype=torch.bool, device=a.device)
-    for s in _chunks(t, _TABLE_CHUNK):
+    for s in chunks(t, _TABLE_CHUNK):
         scores = _quantize(a[s]).reshape(-1, m * m) @ weights  # integer sums: exact in float64
         out[s] = table[scores.argmax(dim=1)]  # first best pattern on ties
     return out.reshape(t, m, m)
@@ -85,7 +85,7 @@ def _exact_by_flow(a: torch.Tensor, n: int) -> torch.Tensor:
     """
     t, m, _ = a.shape
     out = torch.empty(t, m, m, dtype=torch.bool, device=a.device)
-    for s in _chunks(t, _FLOW_ELEMS // (m * m)):
+    for s in chunks(t, _FLOW_ELEMS // (m * m)):
         out[s] = _flow_chunk(_quantize(a[s]), n)
     return out
 
@@ -143,10 +143,10 @@ def _flow_chunk(q: torch.Tensor, n: int) -> torch.Tensor:
     return on.permute(1, 0, 2)
 
 
-def _exact_tiles(a: torch.Tensor, n: int) -> torch.Tensor:
+def exact_tiles(a: torch.Tensor, n: int) -> torch.Tensor:
     if a.shape[0] == 0:
         return torch.zeros(a.shape, dtype=torch.bool, device=a.device)
-    if a.shape[1] <= _MAX_TABLE_M:
+    if a.shape[1] <= MAX_TABLE_M:
         return _exact_by_table(a, n)
     return _exact_by_flow(a, n)
 
@@ -166,7 +166,7 @@ def _table_groups() -> tuple[list, dict]:
     ``(k0, k1, k2, k3)``, so a group's patterns are consecutive)."""
     pairs = list(itertools.combinations(range(4), 2))
     groups: dict = {}
-    table = _pattern_table(2, 4).tolist()
+    table = pattern_table(2, 4).tolist()
     for index, row in enumerate(table):
         k = [pairs.index(tuple(c for c in range(4) if row[4 * r + c])) for r in range(4)]
         groups.setdefault((k[0], k[1]), (index, []))[1].append((k[2], k[3]))

@@ -12,14 +12,14 @@ from __future__ import annotations
 from torch import fx, nn
 
 from ..kernels.dispatch import Decision, qualify
-from ..kernels.packed_tensor import PackedLinearWeight
+from ..kernels.cpu24.weight import PackedLinearWeight
 from ..state.records import deployed_of
-from . import _graph, _sources
+from .matching import gemm_uses, sources
 from .context import DeployTarget, PassContext
 
 
 def _bias_of(use: fx.Node, weight: fx.Node):
-    operands = _graph.gemm_operands(use, weight)
+    operands = gemm_uses.gemm_operands(use, weight)
     bias = operands and operands["bias"]
     if isinstance(bias, fx.Node):
         grapharg = bias.meta.get("grapharg")
@@ -29,18 +29,18 @@ def _bias_of(use: fx.Node, weight: fx.Node):
 
 
 def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
-    for node, param, source in _sources.parameter_placeholders(gm):
-        owned = _sources.owning_module(source, param)
+    for node, param, source in sources.parameter_placeholders(gm):
+        owned = sources.owning_module(source, param)
         record = deployed_of(*owned) if owned else None
         if record is None or isinstance(param, PackedLinearWeight):
             continue  # packed-only weights run their own kernel (their decision was made when packed)
         uses = list(node.users)
-        forms = [_graph.gemm_operands(u, node) for u in uses]
+        forms = [gemm_uses.gemm_operands(u, node) for u in uses]
         linear = [u for u, f in zip(uses, forms) if f is not None and f["kind"] == "linear"]
         transposed = {f["transposed"] for f in forms if f is not None and f["kind"] == "linear"}
         if len(linear) != len(uses) or not uses or len(transposed) != 1:
             kinds = sorted({
-                "torch.utils.checkpoint" if _graph.checkpoint_inputs(u, node) else _graph.use_name(u, node)
+                "torch.utils.checkpoint" if gemm_uses.checkpoint_inputs(u, node) else gemm_uses.use_name(u, node)
                 for u in uses if u not in linear
             }) or ["nothing"]
             decision = Decision("dense", f"used by {', '.join(kinds)}; the 2:4 kernels take linear/addmm weights")
@@ -53,9 +53,9 @@ def find_deployed_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
             else:
                 weight = param.detach()
                 decision = _forced(qualify, weight.t() if transposed else weight, ctx.deploy_kernel,
-                                   _sources.parameter_fqn(source))
+                                   sources.parameter_fqn(source))
         bias = _bias_of(linear[0], node) if linear else None  # for timing; each call keeps its own bias
-        fqn = _sources.parameter_fqn(source)
+        fqn = sources.parameter_fqn(source)
         ctx.deployed.append(DeployTarget(node, fqn, param, bias, linear, decision, transposed))
     return len(ctx.deployed)
 

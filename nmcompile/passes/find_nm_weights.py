@@ -15,7 +15,7 @@ from ..state import records
 from ..state.records import annotation_of, deployed_of, owners, state_dict_of
 from ..declare.defaults import default_reason
 from ..recipes import parse
-from . import _calibration_routes, _graph, _sources
+from .matching import calibration_routes, gemm_uses, sources
 from .context import NMTarget, PassContext
 
 
@@ -26,7 +26,7 @@ def _resolve(ctx: PassContext, owned, fqn: str, node, users):
     if owned and deployed_of(*owned) is not None:
         return None, "finalize"  # deployed: the deploy passes take it
     shape = tuple(node.meta["example_value"].shape) if "example_value" in node.meta else None
-    region = _graph.region_recipe([use for user in users for use, _ in _graph.leaf_uses(user, node)])
+    region = gemm_uses.region_recipe([use for user in users for use, _ in gemm_uses.leaf_uses(user, node)])
     if region is not None:
         if region == "dense":
             return None, "region"
@@ -67,7 +67,7 @@ class _Model:
     @property
     def root(self) -> nn.Module | None:
         if self._root is None:
-            self._root = _sources.root_module(self.source)
+            self._root = sources.root_module(self.source)
         return self._root
 
     def holders(self, param) -> list[tuple[str, nn.Module, str]]:
@@ -126,11 +126,11 @@ def _tie(places) -> tuple[str | None, list]:
 def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
     found = 0
     model = None
-    for node, param, source in _sources.parameter_placeholders(gm):
+    for node, param, source in sources.parameter_placeholders(gm):
         users = list(node.users)
-        uses = [_graph.weight_use(user, node) for user in users]
-        fqn = _sources.parameter_fqn(source)
-        owned = _sources.owning_module(source, param)
+        uses = [gemm_uses.weight_use(user, node) for user in users]
+        fqn = sources.parameter_fqn(source)
+        owned = sources.owning_module(source, param)
         model = model or _Model(source)
         if param.dim() >= 2:
             ctx.weights.append(fqn)
@@ -169,7 +169,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         recipe, origin = _resolve(ctx, owned, fqn, node, users)
         ctx.declared = ctx.declared or origin is not None
         if recipe is None:
-            if owned is None and _sources.owner_source(source) is not None and origin is None:
+            if owned is None and sources.owner_source(source) is not None and origin is None:
                 ctx.skipped[fqn] = (
                     "its owning module cannot be reached from the compiled frame, so a recipe recorded by "
                     "nmcompile.annotate cannot be read; declare it through options={'recipe': ...} instead"
@@ -178,13 +178,13 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
         skip = None
         dims = {dim for kind, dim in uses if kind == "gemm"}
         others = sorted({kind for kind, _ in uses if kind != "gemm"})
-        owner = _sources.owner_source(source)
+        owner = sources.owner_source(source)
         if "embedding" in others:
             skip = "tied to an embedding; embeddings and tied weights are never sparsified"
         elif others:
             skip = f"also used by {', '.join(others)}, which nmcompile does not rewrite through"
         elif None in dims:
-            skip = _graph.unknown_reduction(users, node) or "no single reduction dimension"
+            skip = gemm_uses.unknown_reduction(users, node) or "no single reduction dimension"
         elif len(dims) > 1:
             skip = "used with two different reduction dimensions"
         elif owner is None:
@@ -197,8 +197,8 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
             else:
                 skip = recipe.fits(param, dim)
             if skip is None and recipe.rewrites_consumer:
-                leaves = [pair for u in users for pair in _graph.leaf_uses(u, node)]
-                forms = [(u, _graph.gemm_operands(u, w)) for u, w in leaves]
+                leaves = [pair for u in users for pair in gemm_uses.leaf_uses(u, node)]
+                forms = [(u, gemm_uses.gemm_operands(u, w)) for u, w in leaves]
                 fixed = [u.format_node() for u, ops in forms if ops is None]
                 if getattr(recipe, "fp8", False) and any(ops and ops["kind"] == "conv" for _, ops in forms):
                     skip = f"{recipe}: the FP8 simulation covers linear GEMMs, not convolutions"
@@ -208,7 +208,7 @@ def find_nm_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
                         f"x @ W and batched conv1d/conv2d calls, not for {fixed[0]}"
                     )
         if skip is None and recipe.calibrated:
-            routes = _calibration_routes.calibration_routes(node, dim)
+            routes = calibration_routes.calibration_routes(node, dim)
             if isinstance(routes, str):
                 skip = f"{routes}, so its calibration statistics cannot be gathered"
         if skip is not None:

@@ -8,7 +8,7 @@ mutates them, so the compiled graph updates the module's buffers at every call (
 ``torch.no_grad()`` and in ``eval()``, which is how a calibration pass runs). Each GEMM contributes the
 rows that really reach the weight: for stacked (expert) weights, per expert, only the tokens routed
 to it (``W[e]``, ``W[ids]``, a grouped GEMM's ``offs``). Which operand that is comes from
-:func:`._calibration_routes.calibration_routes`; :mod:`.find_nm_weights` has already named the weights whose
+:func:`.matching.calibration_routes.calibration_routes`; :mod:`.find_nm_weights` has already named the weights whose
 inputs it cannot read.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from .. import ops  # noqa: F401  (registers nmsparse::accumulate_stats)
-from . import _calibration_routes
+from .matching import calibration_routes
 from .context import PassContext
 
 _OP = torch.ops.nmsparse.accumulate_stats.default
@@ -30,7 +30,7 @@ def insert_calibration_stats(gm: fx.GraphModule, ctx: PassContext) -> int:
         if not getattr(target.recipe, "calibrated", False):
             continue
         stat, count = ctx.state_nodes[target.fqn]
-        routes = _calibration_routes.calibration_routes(target.node, target.dim)
+        routes = calibration_routes.calibration_routes(target.node, target.dim)
         if isinstance(routes, str):  # find_nm_weights checks this first
             raise RuntimeError(f"{target.fqn}: {routes}")
         for route in routes:

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from . import _graph
+from .matching import gemm_uses
 from .context import PassContext
 
 
@@ -30,7 +30,7 @@ def insert_nm_projections(gm: fx.GraphModule, ctx: PassContext) -> int:
         weight_val = target.node.meta["example_value"]
         state_nodes = []
         for key in target.recipe.state_names:
-            last = _graph.add_input(graph, last, f"nm_state_{target.fqn.replace('.', '_')}_{key}")
+            last = gemm_uses.add_input(graph, last, f"nm_state_{target.fqn.replace('.', '_')}_{key}")
             state_nodes.append(last)
         with fake_mode:
             state_vals = target.recipe.example_state(weight_val.detach(), target.dim)

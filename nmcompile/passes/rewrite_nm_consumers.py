@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from . import _graph
+from .matching import gemm_uses
 from .context import PassContext
 
 
@@ -32,9 +32,9 @@ def _transposed(graph: fx.Graph, node: fx.Node, cache: dict) -> fx.Node:
 def _rewrite(graph: fx.Graph, user: fx.Node, weight: fx.Node, dgrad: fx.Node, recipe, fqn: str, cache: dict) -> int:
     """Route ``user``'s GEMM on ``weight`` through nmsparse's op; inside an activation checkpoint's
     body when ``user`` is one (the DGRAD weight then enters the body as one more input)."""
-    if _graph.checkpoint_inputs(user, weight) is not None:
-        body = _graph.own_checkpoint_body(user)
-        inner = _graph.checkpoint_inputs(user, weight)[1]
+    if gemm_uses.checkpoint_inputs(user, weight) is not None:
+        body = gemm_uses.own_checkpoint_body(user)
+        inner = gemm_uses.checkpoint_inputs(user, weight)[1]
         inner_dgrad = None
         if dgrad is not weight:
             last = list(body.graph.find_nodes(op="placeholder"))[-1]
@@ -49,7 +49,7 @@ def _rewrite(graph: fx.Graph, user: fx.Node, weight: fx.Node, dgrad: fx.Node, re
         body.graph.lint()
         body.recompile()
         return count
-    ops = _graph.gemm_operands(user, weight)
+    ops = gemm_uses.gemm_operands(user, weight)
     if ops is None:  # find_nm_weights skips weights with such uses; reaching here is a bug
         raise RuntimeError(f"{fqn}: cannot route {user.format_node()} through nmsparse ops")
     mvue_n, mvue_m = recipe.mvue or (0, 0)
@@ -63,7 +63,7 @@ def _rewrite(graph: fx.Graph, user: fx.Node, weight: fx.Node, dgrad: fx.Node, re
         op = torch.ops.nmsparse.conv.default
         args = (ops["x"], w, wd, ops["bias"], ops["stride"], ops["padding"], ops["dilation"],
                 ops["groups"], mvue_n, mvue_m)
-    _graph.replace_call(user, op, args)
+    gemm_uses.replace_call(user, op, args)
     return 1
 
 

@@ -11,7 +11,7 @@ compressed when the graph is compiled and again only if the weight changes) and 
 - ``nmsparse::sparse_linear(x, W, values, meta, b, kernel, alg_id, min_tokens)`` otherwise.
 
 The decision is first confirmed by timing on the layer's shape: CUDA
-(:func:`nmcompile.kernels.dispatch.measure`), CPU (:func:`nmcompile.kernels.cpu_dispatch.measure_cpu`).
+(:func:`nmcompile.kernels.dispatch.measure`), CPU (:func:`nmcompile.kernels.dispatch.cpu.measure_cpu`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..kernels.cpu_dispatch import measure_cpu
+from ..kernels.dispatch.cpu import measure_cpu
 from ..kernels.dispatch import measure
-from ..kernels.inductor import compress
-from . import _graph
+from ..kernels.deploy_op import compress
+from .matching import gemm_uses
 from .context import PassContext
 
 
@@ -48,7 +48,7 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         weight = target.param.detach().t() if target.transposed else target.param.detach()  # [out, in]
         values, meta = compress(weight, decision.kernel)
-        operands = [_graph.gemm_operands(use, target.node) for use in target.uses]
+        operands = [gemm_uses.gemm_operands(use, target.node) for use in target.uses]
         if decision.kernel in ("cusparselt", "cpu24"):
             tokens = {_tokens(o["x"]) for o in operands}
             static = tokens.pop() if len(tokens) == 1 else None
@@ -62,7 +62,7 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
         fake_mode = target.node.meta["example_value"].fake_mode
         inputs = []
         for part, example in (("values", values), ("meta", meta)):
-            last = _graph.add_input(graph, last, f"nm_{part}_{i}")
+            last = gemm_uses.add_input(graph, last, f"nm_{part}_{i}")
             last.meta["example_value"] = fake_mode.from_tensor(example)
             # the same tensor at every call: CUDA graphs (mode="reduce-overhead") read it in place
             # rather than copying the compressed weight into the graph's memory at each replay
@@ -81,7 +81,7 @@ def rewrite_sparse_gemms(gm: fx.GraphModule, ctx: PassContext) -> int:
             else:
                 op = torch.ops.nmsparse.sparse_linear.default
                 args = (o["x"], w_node, *inputs, o["bias"], decision.kernel, decision.alg_id, decision.min_tokens)
-            _graph.replace_call(use, op, args)
+            gemm_uses.replace_call(use, op, args)
             rewritten += 1
     graph.lint()
     gm.recompile()

@@ -4,10 +4,10 @@
       ->  nmsparse::sparse_train_linear(x, w, w_dgrad, b, scale, gate, perm, mvue_n, mvue_m, fp8,
                                         forward, dgrad, wgrad, fqn)
 
-Per weight, :func:`nmcompile.kernels.train_dispatch.decide` picks each GEMM's kernel from the
+Per weight, :func:`nmcompile.kernels.dispatch.train.decide` picks each GEMM's kernel from the
 ``train_kernel`` option, what the recipe declares (``forward_pattern``, ``forward_gate``,
 ``dgrad_pattern``, ``dgrad_order``, its MVUE pattern), the shapes and dtype in the graph, and under
-``auto`` on CUDA a timing (:func:`~nmcompile.kernels.train_dispatch.measure`); the decision goes to
+``auto`` on CUDA a timing (:func:`~nmcompile.kernels.dispatch.train.measure`); the decision goes to
 ``ctx.train_kernels``. Never reads weight values. A GEMM whose three kernels are dense is left as
 the previous passes wrote it. With a sparse forward, S-STE's ``beta`` scales the GEMM outputs
 (``Recipe.forward_factors``) and its ``beta * S(W)`` is no longer built. Convolutions, stacked
@@ -25,22 +25,18 @@ import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from ..kernels import training  # noqa: F401  (registers nmsparse::sparse_train_linear)
-from ..kernels.train_dispatch import ROLES, TrainKernels, all_dense, decide, measure
+from ..kernels import train_gemms as training  # noqa: F401  (registers nmsparse::sparse_train_linear)
+from ..kernels.dispatch.train import ROLES, TrainKernels, all_dense, decide, measure
 from ..pattern import is_stacked
-from . import _graph
+from .matching import gemm_uses
 from .context import PassContext
 
 log = logging.getLogger("nmcompile")
 
 _NM_LINEAR = torch.ops.nmsparse.linear.default
-_CONVS = (torch.ops.nmsparse.conv.default, *_graph._CONV)
+_CONVS = (torch.ops.nmsparse.conv.default, *gemm_uses.CONV)
 _OP = torch.ops.nmsparse.sparse_train_linear.default
 _GATED_OP = torch.ops.nmsparse.sparse_train_linear_gated.default  # STEP: reads its gate on the host
-
-
-def _value(node):
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
 def _uses(weight: fx.Node) -> tuple[list[tuple[fx.Node, dict]], str | None]:
@@ -57,9 +53,9 @@ def _uses(weight: fx.Node) -> tuple[list[tuple[fx.Node, dict]], str | None]:
             continue
         if user.target in _CONVS:
             return [], "a convolution: the 2:4 training kernels cover linear GEMMs; its GEMMs stay dense"
-        if _graph.checkpoint_inputs(user, weight) is not None:
+        if gemm_uses.checkpoint_inputs(user, weight) is not None:
             return [], "used inside torch.utils.checkpoint; its GEMMs stay dense"
-        ops = _graph.gemm_operands(user, weight)
+        ops = gemm_uses.gemm_operands(user, weight)
         if ops is None or ops["kind"] != "linear":
             return [], f"also used by {user.format_node()}, which the training kernels do not take; dense"
         gemms.append((user, ops))
@@ -67,7 +63,7 @@ def _uses(weight: fx.Node) -> tuple[list[tuple[fx.Node, dict]], str | None]:
 
 
 def _tokens(x) -> int | None:
-    value = _value(x)
+    value = gemm_uses.node_value(x)
     if value is None or not all(isinstance(s, int) for s in value.shape[:-1]):
         return None  # dynamic
     return math.prod(value.shape[:-1])
@@ -100,9 +96,9 @@ def _decide(ctx: PassContext, target, gemms, timed: dict) -> TrainKernels:
     out_f, in_f = value.shape if target.dim == 1 else tuple(reversed(value.shape))  # [in, out] when transposed
     tokens = {_tokens(o["x"]) for _, o in gemms}
     t = tokens.pop() if len(tokens) == 1 else None
-    outputs = [_value(node) for node, _ in gemms]
+    outputs = [gemm_uses.node_value(node) for node, _ in gemms]
     dtype = next((v.dtype for v in outputs if v is not None), value.dtype)  # autocast: the GEMM's dtype
-    needs_dgrad = any(getattr(_value(o["x"]), "requires_grad", False) for _, o in gemms)
+    needs_dgrad = any(getattr(gemm_uses.node_value(o["x"]), "requires_grad", False) for _, o in gemms)
     not_24 = _not_24(target.recipe, target.frame, needs_dgrad)
     shapes = {"forward": (out_f, in_f, t), "dgrad": (in_f, out_f, t), "wgrad": (out_f, t, in_f)}
     # the weight's GPU, not the current one (None: the current device's, as the rules read it)
@@ -176,7 +172,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, target, gemms, kernels: Train
             w, wd = _transposed(graph, operand, cache), _transposed(graph, w_dgrad, cache)
         args = (ops["x"], w, wd, ops["bias"], scale, gate, perm, mvue_n, mvue_m,
                 bool(getattr(recipe, "fp8", False)), *kinds, target.fqn)
-        _graph.replace_call(user, _OP if gate is None else _GATED_OP, args)
+        gemm_uses.replace_call(user, _OP if gate is None else _GATED_OP, args)
     for node in (*[u for u in weight.users if u.target is torch.t], weight):  # S-STE's beta * S(W), if unused now
         if not node.users and node.op == "call_function":
             graph.erase_node(node)

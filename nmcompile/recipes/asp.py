@@ -19,6 +19,7 @@ import torch
 
 from .. import masks
 from .base import Recipe
+from ..permute.channels import permute_channels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +61,5 @@ class ASP(Recipe):
     def prepare(self, model, names):
         if not self.permute:
             return None
-        from ..permute.channels import permute_channels
 
         return permute_channels(model, names, self.n, self.m)

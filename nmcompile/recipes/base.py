@@ -110,7 +110,7 @@ class Recipe:
         """
         return None
 
-    # ---- what the training GEMMs can rely on (the 2:4 training kernels, see nmcompile.kernels.training)
+    # ---- what the training GEMMs can rely on (the 2:4 training kernels, see nmcompile.kernels.train_gemms)
 
     def forward_pattern(self, frame: int | None = None) -> tuple[int, int] | None:
         """The N:M pattern :meth:`project`'s output has along ``dim`` by construction (None: not N:M).

@@ -4,7 +4,7 @@ A one-shot recipe prunes a trained model from calibration data instead of traini
 statistics of the weight's input (``stat``, float32, in the column layout of
 :mod:`nmcompile.masks.calibration`, one per expert for stacked weights) and the number of input rows
 (tokens) they hold (``count``, int64). Where ``count`` is 0, ``stat`` is undefined (uninitialised
-memory, or released by :func:`nmcompile.deploy.oneshot.reset`): the first rows overwrite it. The ``nmsparse`` backend inserts ``nmsparse::accumulate_stats``
+memory, or released by :func:`nmcompile.oneshot.solve.reset`): the first rows overwrite it. The ``nmsparse`` backend inserts ``nmsparse::accumulate_stats``
 before each GEMM that reads the weight, so running the compiled model over calibration batches fills
 them; the forward uses the dense weight (:meth:`project` is the identity) until
 :func:`nmcompile.finalize` calls :meth:`solve_columns` on each matrix and bakes the result.

@@ -18,6 +18,7 @@ import os
 
 import torch
 from torch import nn
+from ..state.records import annotation_of, owners, state_dict_of
 
 __all__ = ["diagnostics", "plot_diagnostics"]
 
@@ -29,8 +30,6 @@ def diagnostics(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     they were taken at); STEP weights add ``z``/``z_steps`` and ``switch_step`` (-1 before the
     switch). Weights with nothing recorded yet map to an empty dict.
     """
-    from ..state.records import annotation_of, owners, state_dict_of
-
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, places in owners(model):
         _, module, pname = places[0]

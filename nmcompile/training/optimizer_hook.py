@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..state import records
-from .step_driver import _Settings, driver
+from .step_driver import Settings, driver
 
 __all__ = ["hook_optimizer", "OptimizerHook"]
 
@@ -25,7 +25,7 @@ class OptimizerHook:
         self.driver = driver()
         self.driver.watch(model)
         self.model, self.optimizer = model, optimizer
-        self.driver.settings[optimizer] = _Settings(diagnostics_every, check_finite)
+        self.driver.settings[optimizer] = Settings(diagnostics_every, check_finite)
         # the optimizer keeps the driver alive while hooked (its hook does nothing else)
         self._handle = optimizer.register_step_pre_hook(functools.partial(_hold, self.driver))
 

@@ -71,7 +71,7 @@ class Tracked:
 
 
 @dataclass
-class _Settings:
+class Settings:
     diagnostics_every: int = 0
     check_finite: bool = False
 
@@ -93,7 +93,7 @@ class StepDriver:
 
     def __init__(self) -> None:
         self.watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {param name: fqn}
-        self.settings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Settings
+        self.settings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Settings
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _PerOptimizer
         # compiled module -> [plan, route, names already named or warned about] (options, NMSPARSE_RECIPE)
         self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -146,7 +146,7 @@ def test_prune_never_writes_over_its_input_or_a_foreign_folder(tmp_path, capsys,
 def test_a_prune_whose_output_would_not_fit_on_disk_stops_before_calibrating(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from nmcompile.app import prune as prune_module
-    from nmcompile.deploy import saving
+    from nmcompile.checkpoint import saving
 
     path = tiny_gpt2_dir(tmp_path)
     monkeypatch.setattr(saving, "_free_bytes", lambda directory: 1000)
@@ -160,7 +160,7 @@ def test_a_prune_whose_output_would_not_fit_on_disk_stops_before_calibrating(tmp
 @pytest.mark.slow
 def test_an_interrupted_prune_leaves_no_folder_that_looks_complete(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from nmcompile.deploy import saving
+    from nmcompile.checkpoint import saving
 
     path = tiny_gpt2_dir(tmp_path)
     out = tmp_path / "out"

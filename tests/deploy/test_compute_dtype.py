@@ -1,5 +1,5 @@
 """One-shot calibration of a bf16 model computed in float32 one piece at a time
-(nmcompile.deploy.compute_dtype): the model stays bf16 in its own storage, calibration sees float32
+(nmcompile.oneshot.compute_dtype): the model stays bf16 in its own storage, calibration sees float32
 arithmetic, and the choice is made from the CPU's flags and reported."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import nmcompile
-from nmcompile.deploy import compute_dtype as cd
+from nmcompile.oneshot import compute_dtype as cd
 
 from models import tiny_llama
 

@@ -10,7 +10,8 @@ from torch import nn
 
 import nmcompile
 from nmcompile.backends.nmsparse import nmsparse_backend
-from nmcompile.kernels import cpu24, cpu_dispatch
+from nmcompile.kernels import cpu24
+from nmcompile.kernels.dispatch import cpu as cpu_dispatch
 from nmcompile.kernels.dispatch import Decision, qualify
 
 needs_kernel = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")

@@ -12,7 +12,7 @@ import nmcompile
 from nmcompile.backends.deploy_runner import DeployRunner
 from nmcompile.kernels import cpu24
 from nmcompile.kernels.dispatch import qualify
-from nmcompile.kernels.inductor import CacheKeyPass, with_cache_key
+from nmcompile.kernels.deploy_op import CacheKeyPass, with_cache_key
 from nmcompile.backends.nmsparse import nmsparse_backend
 from nmcompile.deploy.finalize import deployed_of
 from nmcompile.state.records import owners

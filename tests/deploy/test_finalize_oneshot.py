@@ -17,7 +17,7 @@ from torch import nn
 
 import nmcompile
 from nmcompile import masks
-from nmcompile.deploy.oneshot import NoCalibration, blocks
+from nmcompile.oneshot.solve import NoCalibration, blocks
 
 import reference as ref
 from models import AOT
@@ -96,7 +96,7 @@ def test_non_finite_activations_are_a_named_error():
     with pytest.raises(ValueError, match=r"fc1.weight \(wanda:2:4\): its calibration statistics are not finite"):
         nmcompile.finalize(model)
     assert all(torch.equal(before[k], v) for k, v in weights(model).items())
-    nmcompile.deploy.oneshot.reset(model)  # the fix the message gives
+    nmcompile.oneshot.solve.reset(model)  # the fix the message gives
     assert int(model.fc1.weight_nm_count) == 0
 
 
@@ -347,7 +347,7 @@ def test_statistics_are_undefined_until_their_first_rows_and_zeroed_then():
 def test_release_gives_memory_back_and_keeps_the_tensor():
     from pathlib import Path
 
-    from nmcompile.deploy.oneshot import release
+    from nmcompile.oneshot.solve import release
 
     def resident_mb():
         return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20

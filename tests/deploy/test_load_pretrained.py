@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import nmcompile
-from nmcompile.deploy import PackedLinearWeight, load_pretrained, pack_weights, restore, save_pretrained
+from nmcompile.deploy import PackedLinearWeight, load_pretrained, pack_weights, save_pretrained
+from nmcompile.checkpoint import restore
 from nmcompile.kernels import cpu24
 from models import _gpt2, magnitude_2_4, tiny_llama
 
@@ -78,7 +79,7 @@ def test_a_saved_directory_loads_as_deployed_in_a_fresh_process(tmp_path, kind):
 @kernel
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_streamed_packing_makes_the_layout_pack_weights_makes(tmp_path, kind, monkeypatch):
-    from nmcompile.deploy import streaming
+    from nmcompile.checkpoint import streaming
 
     model, report, path = saved(tmp_path, kind)
     monkeypatch.setattr(streaming, "chunk_budget", lambda elements: 16)  # one row group / word column per chunk

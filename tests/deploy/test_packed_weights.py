@@ -209,7 +209,7 @@ def test_torch_export_and_aotinductor_package_keep_the_kernel_in_a_fresh_process
 
 
 def test_measured_range_compares_the_kernel_with_unpacking_plus_dense(monkeypatch):
-    from nmcompile.kernels import cpu_dispatch
+    from nmcompile.kernels.dispatch import cpu as cpu_dispatch
 
     calls = []
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import nmcompile
 from nmcompile.deploy import Layout, layout_of, read_layout, save_pretrained, unpack_state_dict
-from nmcompile.deploy.weight_files import SafetensorsFile, safetensors_metadata, stamp_safetensors
+from nmcompile.checkpoint.weight_files import SafetensorsFile, safetensors_metadata, stamp_safetensors
 from models import _gpt2, magnitude_2_4, tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -83,7 +83,8 @@ def test_save_refuses_a_model_without_a_finalized_weight_and_names_what_is_not_p
 
 
 def test_a_packed_file_that_would_not_fit_in_memory_is_not_written_and_says_why(tmp_path, monkeypatch):
-    from nmcompile.deploy import saving, sequential
+    from nmcompile.checkpoint import saving
+    from nmcompile.state import memory
 
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16))
     for layer in model:
@@ -92,9 +93,9 @@ def test_a_packed_file_that_would_not_fit_in_memory_is_not_written_and_says_why(
     nmcompile.finalize(model, pattern="2:4")
     need = 32 * 64 * 4 // 2 + 32 * 64 // 8 + 16 * 32 * 4 // 2 + 16 * 32 // 8  # fp32 values + int16 words
     assert saving._packed_bytes(model, layout_of(model)) == need
-    monkeypatch.setattr(sequential, "available_bytes", lambda: 2 * need)  # exactly half: written
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2 * need)  # exactly half: written
     assert "model_packed.pt" in {os.path.basename(f) for f in save_pretrained(model, tmp_path / "fits")}
-    monkeypatch.setattr(sequential, "available_bytes", lambda: 2 * need - 1)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2 * need - 1)
     with pytest.warns(UserWarning, match=r"model_packed.pt was not written: its 0.0 GB of packed weights.*"
                                          r"load_pretrained\(DIR, packed=True\)"):
         files = save_pretrained(model, tmp_path / "big")
@@ -108,7 +109,7 @@ def test_a_disk_too_small_is_refused_before_anything_is_written_and_the_packed_f
     """A save needs the weights plus its largest safetensors file again (stamping the layout writes it
     again): short of that it writes nothing and says how much; with room for the safetensors files but
     not the packed one, the packed file is skipped with the reason recorded."""
-    from nmcompile.deploy import saving
+    from nmcompile.checkpoint import saving
 
     torch.manual_seed(0)
     model = tiny_llama(transformers)
@@ -143,7 +144,7 @@ def test_a_disk_too_small_is_refused_before_anything_is_written_and_the_packed_f
 
 
 def test_a_save_writes_safetensors_files_of_at_most_the_shard_size_unless_told(tmp_path, monkeypatch):
-    from nmcompile.deploy import saving
+    from nmcompile.checkpoint import saving
 
     torch.manual_seed(0)
     model = tiny_llama(transformers)
@@ -156,7 +157,7 @@ def test_a_save_writes_safetensors_files_of_at_most_the_shard_size_unless_told(t
 
 
 def test_the_disk_check_counts_the_largest_file_the_save_will_write(tmp_path, monkeypatch):
-    from nmcompile.deploy import saving
+    from nmcompile.checkpoint import saving
 
     torch.manual_seed(0)
     model = tiny_llama(transformers)

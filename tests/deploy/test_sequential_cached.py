@@ -1,4 +1,4 @@
-"""Sequential one-shot on cached block inputs (nmcompile.deploy.sequential): the same weights as
+"""Sequential one-shot on cached block inputs (nmcompile.oneshot.sequential): the same weights as
 re-running the model before each block, blocks taken in the order they run, a model whose blocks do
 not chain falls back (and says so), and an error names the blocks already written."""
 
@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import nmcompile
-from nmcompile.deploy import sequential
+from nmcompile.oneshot import sequential
+from nmcompile.oneshot.solve import half_written
+from nmcompile.state import memory
 
 import reference as ref
 from models import AOT
@@ -213,7 +215,7 @@ def test_an_error_in_a_later_block_names_the_blocks_already_written():
 
 
 def test_any_other_error_in_a_later_block_keeps_its_type_and_notes_the_blocks_written(monkeypatch):
-    from nmcompile.deploy import oneshot
+    from nmcompile.oneshot import solve as oneshot
 
     torch.manual_seed(3)
     model = Chained().eval()
@@ -249,7 +251,7 @@ def test_without_add_note_the_blocks_written_are_named_in_a_warning():
     err = _NoNotes("interrupted")
     with pytest.warns(UserWarning, match=r"2 of 5 blocks were already pruned and written in place \(layers.0 .. "
                       r"layers.1\)"):
-        sequential.half_written(err, ["layers.0", "layers.1"], 5)
+        half_written(err, ["layers.0", "layers.1"], 5)
     assert not hasattr(err, "__notes__")
 
 
@@ -275,7 +277,7 @@ def test_the_default_form_is_chosen_by_memory_and_named(monkeypatch):
     nmcompile.annotate(model, "wanda:2:4")
     report = nmcompile.finalize(copy.deepcopy(model), calibration=batches(), calibration_options=AOT)
     assert report.calibration.startswith("one pass: every weight's statistics fit")
-    monkeypatch.setattr(sequential, "available_bytes", lambda: 1000)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
     report = nmcompile.finalize(model, calibration=batches(), calibration_options=AOT)
     assert report.calibration.startswith("sequential: one pass would hold every weight's statistics at once")
 

@@ -71,7 +71,7 @@ def test_every_path_and_token_count_matches_the_dense_product(isa, dtype, tokens
 
 
 @pytest.mark.parametrize("isa,dtype", PATH_DTYPES)
-# one token reads K as 4 segments at once on AVX2 (sparse24_kernel.h): 80, 224, 240 and 1040 leave 1,
+# one token reads K as 4 segments at once on AVX2 (cpu24_kernel.h): 80, 224, 240 and 1040 leave 1,
 # 2, 3 and 1 words after the segments
 @pytest.mark.parametrize("out_f,in_f", [(1, 16), (7, 16), (7, 32), (1, 48), (16, 48), (9, 80), (8, 224), (8, 240), (33, 1040)])
 @pytest.mark.parametrize("with_bias", [True, False])

@@ -13,7 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from nmcompile.kernels import cpu24, cpu_dispatch, decision_cache
+from nmcompile.kernels import cpu24
+from nmcompile.kernels.dispatch import cpu as cpu_dispatch
+from nmcompile.kernels.dispatch import cache as decision_cache
 
 needs_kernel = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
 

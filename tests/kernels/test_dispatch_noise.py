@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import nmcompile
-from nmcompile.kernels import cpu24, cpu_dispatch, decision_cache
+from nmcompile.kernels import cpu24
+from nmcompile.kernels.dispatch import cpu as cpu_dispatch
+from nmcompile.kernels.dispatch import cache as decision_cache
 from nmcompile.kernels.dispatch import Decision
 
 BIG = (4096, 4096)  # 64 MB of fp32: streams from memory at one token

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import nmcompile
 from nmcompile.kernels import dispatch
 from nmcompile.kernels.dispatch import TOKEN_LADDER, kernel_unavailable, qualify
-from nmcompile.kernels.inductor import DENSE_MULTIPLE, compress, padded_tokens
-from nmcompile.kernels.train_dispatch import TrainKernelError, decide
+from nmcompile.kernels.deploy_op import DENSE_MULTIPLE, compress, padded_tokens
+from nmcompile.kernels.dispatch.train import TrainKernelError, decide
 
 from _gpu_contracts import ContractError, emulated_gpu
 

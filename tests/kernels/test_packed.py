@@ -6,7 +6,7 @@ from torch.sparse._semi_structured_conversions import sparse_semi_structured_fro
 
 import nmcompile
 import reference
-from nmcompile.kernels.packed import META_SUFFIX
+from nmcompile.kernels.format24 import META_SUFFIX
 
 
 def pruned(shape, dtype=torch.float32):

@@ -6,7 +6,7 @@ from torch import fx, nn
 
 import nmcompile
 from nmcompile import ops
-from nmcompile.kernels import shared as shared_kernels
+from nmcompile.backends import shared_projections as shared_kernels
 from nmcompile.backends.inner import Inner
 
 

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass
 
 import nmcompile
-from nmcompile.kernels import training
-from nmcompile.kernels.packed import Packed24, cutlass_meta, row_meta
-from nmcompile.kernels.train_dispatch import TrainKernelError, decide, measure
+from nmcompile.kernels import train_gemms as training
+from nmcompile.kernels.format24 import Packed24, cutlass_meta, row_meta
+from nmcompile.kernels.dispatch.train import TrainKernelError, decide, measure
 from nmcompile.masks import mvue
 
 import reference
@@ -281,7 +281,7 @@ def test_the_recipes_doc_gives_the_reference_kernel_s_alignment_as_the_code_does
     import re
     from pathlib import Path
 
-    from nmcompile.kernels.training import ALIGNMENT, misaligned
+    from nmcompile.kernels.train_gemms import ALIGNMENT, misaligned
 
     text = " ".join((Path(__file__).parents[2] / "docs" / "recipes.md").read_text().split())
     rows, cols = map(int, re.search(r"the reference kernel (\d+) x (\d+)", text).groups())

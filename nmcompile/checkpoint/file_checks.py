@@ -1,0 +1,140 @@
+"""N:M checks of weights files and model directories, with the layout record where there is one.
+
+A directory written by :func:`nmcompile.deploy.save_pretrained` or ``nmcompile prune`` (or a weights file in
+it, or a safetensors file that carries the record in its metadata) is checked weight by weight along each
+weight's recorded dim, with its recorded pattern; the weights the record keeps dense are listed as not
+checked, with why. Without a record, every >= 2-D tensor is checked along ``dim`` (default 1), and a failed
+check gets a hint (:mod:`nmcompile.checkpoint.hints`) that fits the file. Safetensors files are read one tensor
+at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from .. import masks
+from ..kernels.format24 import META_SUFFIX, packed_dims, unpack_state_dict
+from ..pattern import NMPattern
+from ..masks.compliance import CheckReport, check_one, selects
+from .hints import suggestion
+from .layout import Layout, read_layout
+from .state_dicts import find_state_dict, load_state_dict
+from .weight_files import tensor_sources, weight_files
+from ..kernels.format24 import packed_record
+
+__all__ = ["check_path", "check_state"]
+
+PACKED_FILE = "model_packed.pt"
+
+
+def _recorded(report: CheckReport, items: Iterable[tuple[str, Callable[[], torch.Tensor]]], layout: Layout,
+              pattern: NMPattern | None, dim: int | None, only, complete: bool, where: str) -> None:
+    seen = set()
+    for name, load in items:
+        canonical = layout.canonical(name)
+        entry = layout.weights.get(canonical)
+        if entry is None:
+            if selects(report, name, only):
+                why = layout.dense.get(canonical) or (f"tied to {canonical}" if name in layout.tied else None)
+                report.skipped[name] = (f"dense in the layout record: {why}" if why else
+                                        "not in the layout record (a buffer, or a weight added after the save)")
+            continue
+        seen.add(canonical)
+        if selects(report, name, only):
+            check_one(report, name, load(), pattern or entry.pattern, entry.dim if dim is None else dim)
+    absent = [n for n in layout.weights if n not in seen]
+    if complete and absent:
+        raise ValueError(f"{where}: the layout record names N:M weights that no weights file holds: "
+                         f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''} (an incomplete or mixed directory?)")
+
+
+def _unrecorded(report: CheckReport, items: Iterable[tuple[str, Callable[[], torch.Tensor]]],
+                pattern: NMPattern | None, dim: int | None, only, dims: Mapping[str, int], path: str) -> None:
+    pattern = pattern or NMPattern(2, 4)
+    violations: dict[str, dict[int, int]] = {}
+    for name, load in items:
+        if not selects(report, name, only):
+            continue
+        tensor = load()
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
+            continue
+        along = dims.get(name, 1) if dim is None else dim
+        check_one(report, name, tensor, pattern, along)
+        if name in report and tensor.is_floating_point():
+            counts = {along % tensor.dim(): report[name].violations}
+            for other in (0, 1):
+                if other not in counts and pattern.fits(tensor, other) is None:
+                    counts[other] = masks.count_violations(tensor, pattern.n, pattern.m, other)[0]
+            violations[name] = counts
+    if report and not report.ok and not only:
+        report.hint = suggestion(violations, pattern, 1 if dim is None else dim, path)
+
+
+def check_state(state: Mapping, pattern: NMPattern | None, dim: int | None, only, layout: Layout | None = None,
+                path: str = "PATH") -> CheckReport:
+    """Check a state dict (packed 2:4 entries are unpacked and checked along the dim they were packed along)."""
+    report = CheckReport()
+    state, report.where = find_state_dict(state, "the checkpoint dict")
+    dims = {name: (-1 if d == -1 else 0) for name, d in packed_dims(state).items()}
+    dense = unpack_state_dict(state)
+    items = [(name, (lambda t=tensor: t)) for name, tensor in dense.items()
+             if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2]
+    if layout is not None:
+        _recorded(report, items, layout, pattern, dim, only, False, path)
+    else:
+        _unrecorded(report, items, pattern, dim, only, dims, path)
+    packed = {key[: -len(META_SUFFIX)] for key in state if key.endswith(META_SUFFIX)}
+    if packed and not _recorded_packed(state):  # a rebuilt dict: which were packed is no longer recorded
+        for name in [n for n in report if not report[n].ok and n not in packed]:
+            report[name] = dataclasses.replace(report[name], problem=(
+                f"if it was written packed, its {META_SUFFIX} entry is missing and its values read as a dense weight "
+                "of half the width (the dict has packed entries but not pack_state_dict's record of which, which a "
+                "dict rebuilt by a comprehension loses); write the checkpoint again with nmcompile.deploy.pack_state_dict"))
+    return report
+
+
+def _recorded_packed(state: Mapping) -> bool:
+    return packed_record(state) is not None
+
+
+def check_path(path, pattern: NMPattern | None, dim: int | None, only) -> CheckReport:
+    """Check a model directory, a safetensors file or a ``torch.save``'d state dict (see the module doc)."""
+    path = os.fspath(path)
+    layout = read_layout(path)
+    if os.path.isdir(path):
+        files = weight_files(path, required=False)
+        if not files:
+            packed = os.path.join(path, PACKED_FILE)
+            if os.path.isfile(packed):
+                return check_path(packed, pattern, dim, only)
+            raise ValueError(f"{path} holds no weights file that nmcompile check reads (model.safetensors, its shards, "
+                             f"or {PACKED_FILE}); check a torch.save'd state dict by its path, or a pickled model in "
+                             "Python: nmcompile.check(torch.load(path, weights_only=False))")
+        return _check_safetensors(files, path, pattern, dim, only, layout, complete=True)
+    if path.endswith(".safetensors"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(2, "No such file", path)
+        return _check_safetensors([path], path, pattern, dim, only, layout, complete=False)
+    state, where = load_state_dict(path)
+    try:
+        report = check_state(state, pattern, dim, only, layout, path)
+    except ValueError as err:
+        raise ValueError(f"{path}{where}: {err}") from None
+    report.where = where
+    return report
+
+
+def _check_safetensors(files, path: str, pattern, dim, only, layout: Layout | None, complete: bool) -> CheckReport:
+    sources = tensor_sources(files)
+    items = [(name, (lambda s=source, n=name: s.read(n))) for name, source in sources.items()
+             if len(source.shape(name)) >= 2]
+    report = CheckReport()
+    if layout is not None:
+        _recorded(report, items, layout, pattern, dim, only, complete, path)
+    else:
+        _unrecorded(report, items, pattern, dim, only, {}, path)
+    return report

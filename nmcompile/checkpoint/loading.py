@@ -1,0 +1,245 @@
+"""Load a deployed Hugging Face directory as deployed: records set, or straight into packed 2:4 weights.
+
+:func:`load_pretrained` reads a directory written by :func:`nmcompile.deploy.save_pretrained` or
+``nmcompile prune`` (no network). Dense, it is ``from_pretrained`` plus :func:`nmcompile.deploy.restore`.
+Packed (``packed=True``), the model is built with its parameters on the meta device, and each weight is
+read from the safetensors files a run of rows at a time (:mod:`nmcompile.checkpoint.streaming`): the N:M ones
+straight into packed 2:4 CPU weights (checked on the way in), the others dense. No dense copy of the
+model, nor of any packed weight, is ever resident: the load peaks at the packed model plus one chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from ..kernels import cpu24
+from ..kernels.dispatch import Decision
+from ..pattern import NMPattern
+from ..state import records
+from ..state.records import DEPLOYED, owners
+from .layout import Layout
+from .packed_weights import is_trainable, set_packed, token_range
+from .restore import layout_from, restore
+from .streaming import chunk_budget, packable, read_dense, read_packed
+from .weight_files import tensor_sources, weight_files
+from ..state.deployed import Deployed
+from .. import masks
+
+__all__ = ["load_pretrained"]
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device and their buffers where they are made.
+
+    Buffers (rotary frequencies, masks) are computed at construction from the config and are not all in
+    the weights files, so they must be real; parameters are all read from the files. This replaces
+    ``nn.Module.register_parameter`` for the duration (as ``accelerate.init_empty_weights(include_buffers=
+    False)`` does): build nothing in other threads meanwhile."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        held = module._parameters.get(name)
+        if held is not None and not held.is_meta:
+            module._parameters[name] = type(held)(held.to("meta"), requires_grad=held.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("nmcompile.deploy.load_pretrained reads Hugging Face directories, which needs transformers "
+                          "(pip install transformers)") from err
+    return transformers
+
+
+def _model_class(config, model_class):
+    if model_class is not None:
+        return model_class
+    transformers = _transformers()
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = None, model_class=None,
+                    measure: bool = True) -> nn.Module:
+    """The model a deployed directory holds, with its N:M weights recorded as deployed (eval mode).
+
+    Args:
+        path: a local Hugging Face directory written by :func:`nmcompile.deploy.save_pretrained` or
+            ``nmcompile prune`` (it holds ``nmcompile.json``, the layout record); nothing is downloaded.
+        packed: hold the 2:4 weights packed only on the CPU
+            (:class:`~nmcompile.kernels.cpu24.weight.PackedLinearWeight`, run by the 2:4 CPU kernel),
+            loaded without a dense copy ever resident: the load peaks at about the packed model's bytes.
+            Recorded weights the kernel cannot hold (another pattern, a reduction dim not a multiple of 16)
+            are loaded dense, with a warning naming them.
+        dtype: the floating dtype of the weights (default: as stored).
+        model_class: the ``transformers`` model class (default: the config's ``architectures``, else
+            ``AutoModelForCausalLM``).
+        measure: with ``packed``, time the kernel on each weight shape against unpacking it for a dense
+            GEMM and keep it for the token counts where it won, as :func:`nmcompile.deploy.pack_weights`
+            does (decisions are cached on disk: a second process reads them instead of timing; a shape
+            timed here holds at most 64 MB of scratch copies while it is timed); without it the kernel
+            takes every token count.
+
+    Then ``nmcompile.check(model)`` passes and ``torch.compile(model, backend="nmsparse")`` deploys it.
+
+    Raises:
+        ValueError: the directory has no layout record, or a recorded weight is not N:M along its
+            recorded dim, or is missing (each named).
+        RuntimeError: ``packed=True`` where the 2:4 CPU kernel cannot run (the reason is given).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        pickled = os.path.join(path, "model.pt")
+        raise ValueError(f"load_pretrained: {path} has no config.json, so it is not a Hugging Face model directory"
+                         + (f"; {pickled} is a whole pickled model, whose deploy records travel with it: "
+                            "torch.load(path, weights_only=False), for files you trust" if os.path.isfile(pickled) else ""))
+    layout, _ = layout_from(path)
+    transformers = _transformers()
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    cls = _model_class(config, model_class)
+    if not packed:
+        model = cls.from_pretrained(path, local_files_only=True, dtype=dtype or "auto")
+        restore(model, layout)
+        return model.eval()
+    state = cpu24.status()
+    if not state.available:
+        raise RuntimeError(f"load_pretrained(packed=True) needs the 2:4 CPU kernel, which is not available here: "
+                           f"{state.reason}; load with packed=False")
+    sources = tensor_sources(weight_files(path))
+    if dtype is None:  # build in the stored dtype, as from_pretrained(dtype="auto") does
+        stored = [s.dtype(k) for k, s in sources.items() if s.dtype(k).is_floating_point]
+        dtype_built = max(set(stored), key=stored.count) if stored else torch.get_default_dtype()
+    else:
+        dtype_built = dtype
+    with _parameters_on_meta():
+        build = getattr(cls, "_from_config", None) or cls.from_config  # the Auto classes: from_config
+        model = build(config, dtype=dtype_built)
+    _stream(model, layout, sources, dtype, measure)
+    generation = os.path.join(path, "generation_config.json")
+    if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
+    return model.eval()
+
+
+def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype | None, measure: bool) -> None:
+    """Fill the meta parameters of ``model`` from ``sources``, the recorded 2:4 weights packed."""
+    plan, missing, loaded, known = [], [], set(), set()
+    for name, places in owners(model):
+        names = [f"{m}.{p}" if m else p for m, _, p in places]
+        known.update(names)
+        key = next((n for n in names if n in sources), None)
+        if key is None:
+            missing.append(name)
+        else:
+            plan.append((key, names, places))
+            loaded.update(names)
+    unknown = [n for n in layout.weights if n not in known]
+    if missing or unknown:  # said before anything is read
+        raise ValueError(
+            "nmcompile.deploy.load_pretrained: "
+            + (f"parameters of {type(model).__name__} that no weights file holds: {', '.join(missing[:10])}; "
+               if missing else "")
+            + (f"the layout record names weights the model does not have: {', '.join(unknown[:10])}; " if unknown else "")
+            + "the directory was written for another model, or is incomplete"
+        )
+    sparse = sum(sources[k].shape(k)[0] * sources[k].shape(k)[1] for k in layout.weights
+                 if k in sources and len(sources[k].shape(k)) == 2)
+    budget = chunk_budget(sparse)
+    dense_recorded = []
+    for key, names, places in plan:
+        source = sources[key]
+        entry = next((layout.weights[n] for n in names if n in layout.weights), None)
+        if entry is None:
+            tensor = read_dense(source, key, dtype, budget)
+            param = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
+            for _, module, pname in places:
+                module._parameters[pname] = param
+            continue
+        if tuple(source.shape(key)) != tuple(entry.shape):
+            _not_recorded(f"{key} is {list(source.shape(key))} in {source.path}, the record says {list(entry.shape)}")
+        why = None if entry.pattern == NMPattern(2, 4) else f"{entry.pattern} is not 2:4"
+        why = why or packable(source.shape(key), entry.dim, dtype or source.dtype(key))
+        record = Deployed(entry.pattern, entry.dim, entry.recipe)
+        if why is None:
+            weight, bad, total = read_packed(source, key, dtype, entry.dim in (0, -2), budget)
+            if bad:
+                _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} keep more than 2 of 4")
+            bias = getattr(places[0][1], "bias", None)
+            weight.max_tokens, ratios, how = token_range(*weight.weight_shape, weight.dtype, isinstance(bias, torch.Tensor),
+                                                    weight.isa, measure)
+            decision = Decision("cpu24", "packed only, loaded" + ("" if measure else " (every token count, not timed)")
+                                + (f"; {how}" if how else ""),
+                                max_tokens=weight.max_tokens, isa=weight.isa, ratios=ratios,
+                                speedup=ratios[0][1] if ratios else None)
+            trainable = is_trainable(places[0][1]._parameters[places[0][2]])
+            for _, module, pname in places:
+                set_packed(module, pname, weight, decision, trainable)
+        else:
+            tensor = read_dense(source, key, dtype, budget)
+            bad, total = _violations(tensor, entry)
+            if bad:
+                _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} are not "
+                              f"{entry.pattern}")
+            param = nn.Parameter(tensor, requires_grad=False)
+            for _, module, pname in places:
+                module._parameters[pname] = param
+            dense_recorded.append(f"{key} ({why})")
+        for _, module, pname in places:
+            records.put(module, DEPLOYED, pname, record)
+    _load_buffers(model, sources, loaded)
+    if dense_recorded:
+        warnings.warn("nmcompile.deploy.load_pretrained(packed=True): these N:M weights are held dense, the 2:4 CPU "
+                      "kernel does not take them: " + ", ".join(dense_recorded), stacklevel=3)
+
+
+def _not_recorded(problem: str):
+    """A weight that is not what the layout record says: the files are not the ones it was written with."""
+    raise ValueError(f"nmcompile.deploy.load_pretrained: a weight is not the N:M weight the layout record says it is: "
+                     f"{problem}. The weights files and nmcompile.json come from different saves? Save the model again "
+                     "with nmcompile.deploy.save_pretrained")
+
+
+def _violations(tensor: torch.Tensor, entry) -> tuple[int, int]:
+    why = entry.pattern.fits(tensor, entry.dim)
+    if why is not None:
+        return 1, 1
+    return masks.count_violations(tensor, entry.pattern.n, entry.pattern.m, entry.dim)
+
+
+def _load_buffers(model: nn.Module, sources: dict, loaded: set) -> None:
+    """Persistent buffers that the files hold (the others were computed at construction); warn of the
+    files' tensors that nothing took."""
+    for mname, module in model.named_modules():
+        for bname, buffer in list(module._buffers.items()):
+            name = f"{mname}.{bname}" if mname else bname
+            if buffer is not None and name in sources:
+                tensor = sources[name].read(name)
+                module._buffers[bname] = tensor.to(buffer.dtype) if buffer.dtype != tensor.dtype else tensor
+                loaded.add(name)
+    leftover = [k for k in sources if k not in loaded]
+    if leftover:
+        warnings.warn(f"nmcompile.deploy.load_pretrained: the weights files hold tensors that {type(model).__name__} "
+                      f"has no place for, left unused: {', '.join(leftover[:10])}" + (" ..." if len(leftover) > 10 else ""),
+                      stacklevel=3)
+    still = [f"{m}.{n}" if m else n for m, mod in model.named_modules()
+             for n, t in list(mod._parameters.items()) + list(mod._buffers.items()) if t is not None and t.is_meta]
+    if still:
+        raise ValueError(f"nmcompile.deploy.load_pretrained: {', '.join(still[:10])} of {type(model).__name__} "
+                         "were neither in the weights files nor made at construction (still on the meta device)")

@@ -1,0 +1,231 @@
+"""Finalized 2:4 weights held packed only, on the CPU: no dense copy resident.
+
+- :func:`pack_weights` turns each finalized 2:4 linear weight of a CPU model into a
+  :class:`~nmcompile.kernels.cpu24.weight.PackedLinearWeight` (values + position bits, about 53%
+  of the dense bytes in fp32 and 56% in bf16/fp16), with the token range where the 2:4 CPU kernel
+  measured faster, on the layer's shape, than unpacking the weight for the call and taking the
+  dense GEMM (which is what larger calls do);
+- :func:`load_packed` loads a packed checkpoint (:func:`nmcompile.deploy.pack_state_dict`) into a
+  model, meta-device built or not, without making any dense 2:4 weight;
+- :func:`unpack_weights` gives the model its dense weights back (to train, or to export to ONNX).
+
+``model.state_dict()`` then holds the packed tensors; :func:`nmcompile.deploy.pack_state_dict`
+writes them as values + metadata without unpacking, so ``torch.load(weights_only=True)`` and
+:func:`load_packed` read them back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..kernels import cpu24
+from ..kernels.dispatch import DECISION_ATTR, Decision
+from ..kernels.format24 import (DAMAGED_HINT, META_SUFFIX, Packed24, packed_record, lost_metadata, pack, packed_dims,
+                               unpack)
+from ..kernels.cpu24.weight import PackedLinearWeight
+from ..pattern import NMPattern
+from ..state import records
+from ..state.records import DEPLOYED, deployed_of, owners
+from ..kernels.dispatch.cpu import provenance, sparse_ladder
+from ..state.deployed import Deployed
+
+__all__ = ["pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight"]
+
+
+def token_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, measure: bool) -> tuple[int, tuple, str]:
+    """``(max_tokens, ratios, how)``: the measured range, and how it was decided ("" when timed now)."""
+    if not measure:
+        return -1, (), ""
+
+    max_tokens, measured = sparse_ladder(out_f, in_f, dtype, bias, isa, packed_only=True)
+    return max_tokens, measured.ratios, provenance(measured)
+
+
+#: the attribute of a packed-only parameter that keeps whether the dense weight it replaced was
+#: trainable, for :func:`unpack_weights` (the packed one never is: it takes no gradient)
+TRAINABLE_ATTR = "_nmcompile_requires_grad"
+
+
+def set_packed(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision, trainable: bool = True) -> None:
+    param = nn.Parameter(weight, requires_grad=False)
+    setattr(param, DECISION_ATTR, decision)
+    setattr(param, TRAINABLE_ATTR, bool(trainable))
+    module._parameters[pname] = param
+
+
+def is_trainable(param: torch.Tensor) -> bool:
+    """Whether the dense weight ``param`` stands for is trainable (a packed one keeps it in :data:`TRAINABLE_ATTR`)."""
+    return bool(getattr(param, TRAINABLE_ATTR, param.requires_grad))
+
+
+def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decision]:
+    """Hold every finalized 2:4 linear weight of ``model`` packed only; ``{name: decision}`` of each.
+
+    A weight is packed when its record (from :func:`nmcompile.finalize`) says 2:4 along its
+    reduction dim, it is a 2-D CPU tensor in fp32/bf16/fp16 with a reduction dim divisible by 16,
+    and the 2:4 CPU kernel runs here; the others stay dense, with the reason in the returned
+    decision. ``measure``: time the kernel on each shape (once per shape) against unpacking the
+    weight plus the dense GEMM, and keep it for the token counts where it won; larger calls unpack
+    the weight for the call. Without ``measure`` the kernel takes every token count. Tied weights
+    are packed once. Idempotent.
+    """
+    state = cpu24.status()
+    out: dict[str, Decision] = {}
+    for name, places in owners(model):
+        _, module, pname = places[0]
+        param = module._parameters[pname]
+        record = deployed_of(module, pname)
+        if record is None:
+            continue
+        if isinstance(param, PackedLinearWeight):
+            out[name] = getattr(param, DECISION_ATTR, Decision("cpu24", "packed"))
+            continue
+        why = None
+        if record.pattern != NMPattern(2, 4):
+            why = f"{record.pattern} is not 2:4"
+        elif param.dim() != 2 or record.dim not in (0, 1, -1, -2):
+            why = f"a {param.dim()}-D weight (the 2:4 CPU kernel takes linear weights)"
+        elif param.device.type != "cpu" or param.dtype not in cpu24.DTYPES:
+            why = f"a {param.dtype} weight on {param.device.type} (the kernel takes CPU fp32/bf16/fp16)"
+        elif not state.available:
+            why = state.reason
+        transposed = record.dim in (0, -2)  # [in, out] (GPT-2's Conv1D): packed as its transpose
+        weight = param.detach().t() if transposed else param.detach()
+        if why is None and weight.shape[1] % 16:
+            why = f"in_features {weight.shape[1]} is not a multiple of 16"
+        if why is not None:
+            out[name] = Decision("dense", why)
+            continue
+        isa = cpu24.best_isa(weight.dtype)
+        bias = getattr(module, "bias", None)
+        max_tokens, ratios, how = token_range(*weight.shape, weight.dtype, isinstance(bias, torch.Tensor), isa, measure)
+        packed = pack(weight)
+        values, bits = cpu24.cpu_layout(packed.values, packed.meta)
+        tensor = PackedLinearWeight(values, bits, tuple(weight.shape), max_tokens, isa, transposed)
+        reason = "packed only" + ("" if measure else ", every token count (not timed)") + (f"; {how}" if how else "")
+        decision = Decision("cpu24", reason, max_tokens=max_tokens, isa=isa, ratios=ratios,
+                            speedup=ratios[0][1] if ratios else None)
+        for _, holder, attr in places:
+            set_packed(holder, attr, tensor, decision, param.requires_grad)
+        out[name] = decision
+    if not out:
+        raise ValueError(
+            f"nmcompile.deploy.pack_weights: {type(model).__name__} has no finalized weight; call "
+            "nmcompile.finalize(model) first (or load_packed for a packed checkpoint)"
+        )
+    return out
+
+
+def unpack_weights(model: nn.Module) -> list[str]:
+    """Give every packed-only weight its dense parameter back (a new tensor each); the names. Each is
+    trainable as the weight it replaced was (``requires_grad``: a model's own weights, a loaded
+    checkpoint's too, are; one frozen before :func:`pack_weights` stays frozen)."""
+    done = []
+    for name, places in owners(model):
+        param = places[0][1]._parameters[places[0][2]]
+        if isinstance(param, PackedLinearWeight):
+            dense = nn.Parameter(param.dense().contiguous(), requires_grad=getattr(param, TRAINABLE_ATTR, True))
+            for _, holder, attr in places:
+                holder._parameters[attr] = dense
+            done.append(name)
+    return done
+
+
+def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True):
+    """Load a state dict written by :func:`nmcompile.deploy.pack_state_dict` into ``model``, its
+    packed 2:4 weights as packed-only parameters (no dense weight is made) and recorded as
+    finalized 2:4 along ``in``; every other entry as ``load_state_dict(assign=True)`` does, so a
+    model built on the meta device works. Returns ``load_state_dict``'s result.
+
+    A packed entry must belong to a weight of the same shape (``[out, in]``, the values
+    ``[out, in/2]``; an entry packed as its transpose, GPT-2's ``Conv1D``, a weight ``[in, out]``,
+    recorded 2:4 along dim 0). Those the kernel does not take (a mixture of experts' 3-D
+    ``[experts, out, in]`` weights, a float64 model) are loaded dense, recorded 2:4 along their last
+    dim, with a warning naming them. A packed weight's token range is every count (call :func:`pack_weights` with ``measure``
+    after :func:`unpack_weights` to time it, or compile with the ``nmsparse`` backend).
+    """
+    if not cpu24.status().available:
+        raise RuntimeError(f"load_packed needs the 2:4 CPU kernel, which is not available here: "
+                           f"{cpu24.status().reason}; load nmcompile.deploy.unpack_state_dict(state) instead")
+    modules = dict(model.named_modules())
+    lost = lost_metadata(state)
+    lost += [key for key in _half_width(state, modules) if key not in lost]
+    if lost:
+        raise ValueError(
+            f"load_packed: the file is damaged: {', '.join(lost)} {'was' if len(lost) == 1 else 'were'} written packed "
+            f"but {'its' if len(lost) == 1 else 'their'} {META_SUFFIX} entry is missing; write the checkpoint again "
+            "with nmcompile.deploy.pack_state_dict" + ("" if packed_record(state) is not None else DAMAGED_HINT)
+        )
+    plain, dims, held_dense = {}, packed_dims(state), []
+    for key, tensor in state.items():
+        if key.endswith(META_SUFFIX):
+            if key[: -len(META_SUFFIX)] not in state:
+                raise ValueError(f"load_packed: {key} has no values entry {key[: -len(META_SUFFIX)]!r}; the file is damaged")
+            continue
+        meta = state.get(key + META_SUFFIX)
+        if meta is None:
+            plain[key] = tensor
+            continue
+        mname, _, pname = key.rpartition(".")
+        module = modules.get(mname)
+        param = None if module is None else module._parameters.get(pname)
+        transposed = dims.get(key) == 0
+        shape = (*tensor.shape[:-1], tensor.shape[-1] * 2)
+        expected = shape[::-1] if transposed else shape
+        if param is None or tuple(param.shape) != expected:
+            layout = " (held as its transpose, GPT-2's Conv1D)" if transposed else ""
+            raise ValueError(
+                f"load_packed: {key} holds a packed 2:4 weight of shape {list(expected)}{layout}, but "
+                f"the model's {key} is {None if param is None else list(param.shape)}"
+            )
+        dtype = tensor.dtype if param.is_meta else param.dtype
+        why = (f"a {len(shape)}-D weight: the 2:4 CPU kernel takes 2-D linear weights" if len(shape) != 2 else
+               None if dtype in cpu24.DTYPES else f"{dtype}: the 2:4 CPU kernel takes float32, bfloat16 and float16")
+        if why is not None:  # e.g. a mixture of experts' [experts, out, in] weights: loaded dense, recorded 2:4
+            dense = unpack(Packed24(tensor, meta))
+            plain[key] = (dense.t() if transposed else dense).contiguous().to(dtype)
+            held_dense.append(f"{key} ({why})")
+            records.put(module, DEPLOYED, pname, _deployed(0 if transposed else -1 if len(shape) > 2 else 1))
+            continue
+        weight = PackedLinearWeight.from_packed(tensor, meta)
+        weight = weight.to(dtype) if dtype != tensor.dtype else weight
+        if transposed:
+            weight = weight._with(transposed=True)
+        set_packed(module, pname, weight, Decision("cpu24", "packed only, loaded (every token count, not timed)",
+                                             isa=weight.isa), is_trainable(param))
+        records.put(module, DEPLOYED, pname, _deployed(0 if transposed else 1))
+    if held_dense:
+        warnings.warn("nmcompile.deploy.load_packed: these 2:4 weights are loaded dense (recorded 2:4), the 2:4 CPU "
+                      "kernel does not take them: " + ", ".join(held_dense), stacklevel=2)
+    missing_packed = [k for k in model.state_dict() if k not in plain and k + META_SUFFIX not in state]
+    result = model.load_state_dict(plain, strict=False, assign=True)
+    if strict and (missing_packed or result.unexpected_keys):
+        raise RuntimeError(f"load_packed: missing keys {missing_packed}, unexpected keys {result.unexpected_keys}")
+    return result
+
+
+def _half_width(state: Mapping, modules: dict) -> list[str]:
+    """Entries without metadata, in a dict that holds packed ones, whose shape is that of the model's weight
+    with half its last dim (or, 2-D, half its first: a transposed one): packed values that lost their metadata."""
+    if not any(key.endswith(META_SUFFIX) for key in state):
+        return []
+    found = []
+    for key, tensor in state.items():
+        if key.endswith(META_SUFFIX) or key + META_SUFFIX in state or not isinstance(tensor, torch.Tensor):
+            continue
+        mname, _, pname = key.rpartition(".")
+        param = getattr(modules.get(mname), "_parameters", {}).get(pname)
+        if param is None or param.dim() < 2 or tensor.dim() != param.dim() or tensor.shape[-1] * 2 not in param.shape[-1:] + param.shape[:1]:
+            continue
+        shape = tuple(param.shape)
+        if tuple(tensor.shape) in ((*shape[:-1], shape[-1] // 2), (shape[-1], shape[0] // 2) if len(shape) == 2 else ()):
+            found.append(key)
+    return found
+
+
+def _deployed(dim: int = 1):
+    return Deployed(NMPattern(2, 4), dim, "")

@@ -1,0 +1,41 @@
+// The arguments of one 2:4 CPU GEMM and the row-range entry points of each ISA (plain C++, no ATen:
+// the ISA units compile for their own target and must not instantiate shared inline code).
+//
+// CPU layout (made once from nmcompile's packed format by nmcompile/kernels/cpu24/__init__.py): rows in
+// groups of NM24_GROUP, N padded up with zero rows; per group, per 16-position word w, per row r:
+//   values [groups, K/16, NM24_GROUP, 8]  the 8 kept values of word w of row r, in order;
+//   bits   [groups, K/16, NM24_GROUP]     uint16, bit j set iff position 16w + j is kept (two bits
+//                                          per group of 4, so exactly 8 values per word).
+// A kernel step reads one contiguous run per array for all the rows it computes.
+#pragma once
+#include <cstdint>
+
+constexpr int NM24_GROUP = 8;
+
+enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2 };
+
+struct Nm24Args {
+  const void* x;          // [tokens, kp] activations, fp32 (bf16 for the bf16-pair kernels)
+  int64_t tokens, k, kp;  // kp: k rounded up to 32, zero padded
+  const void* values;     // CPU layout, see above
+  int wdtype;             // Nm24Dtype of values
+  const uint16_t* bits;   // CPU layout, see above
+  const float* bias;      // [n] or nullptr
+  float* out;             // [tokens, n]
+  int64_t n;              // rows computed and stored (the layout holds n rounded up to NM24_GROUP)
+  int64_t panel_bytes;    // activations per token panel (cpu24_op.cpp: a multiple of the L2 size)
+  int64_t prefetch_bytes; // how far ahead in a tile's values stream the weight is prefetched (the
+                          // bits stream, 16x smaller, a quarter of it; cpu24_op.cpp: by CPU vendor)
+};
+
+using Nm24Rows = void (*)(const Nm24Args&, int64_t, int64_t);
+
+// Rows [r0, r1) (multiples of NM24_GROUP, r1 may pass n) for every token. fp32 products: the
+// weight's values converted to fp32 when loaded; the `bf16` variants multiply bf16 pairs
+// (activations and weights bf16).
+void nm24_rows_avx2(const Nm24Args& a, int64_t r0, int64_t r1);
+void nm24_rows_avx512(const Nm24Args& a, int64_t r0, int64_t r1);
+void nm24_rows_avx512_bf16(const Nm24Args& a, int64_t r0, int64_t r1);
+// the AVX-512 kernels' exact algorithm on plain arrays: runs anywhere, tests the AVX-512 logic
+void nm24_rows_emulated512(const Nm24Args& a, int64_t r0, int64_t r1);
+void nm24_rows_emulated512_bf16(const Nm24Args& a, int64_t r0, int64_t r1);

@@ -1,0 +1,323 @@
+// nmsparse::cpu24_* ops: the 2:4 CPU linear, its ISA report and the dense unpacking of its layout.
+//
+//   cpu24_linear(x, values, bits, bias, weight, out_features, max_tokens, isa) = F.linear(x, W, bias),
+//     W the [out_features, K] 2:4 weight that values/bits hold (layout: cpu24_args.h). Calls with more than max_tokens rows
+//     (max_tokens >= 0) take the dense GEMM: on `weight` when it is given, else on W unpacked for the
+//     call. isa: "avx512_bf16", "avx512", "avx2", "emulated512", "emulated512_bf16".
+//   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
+//   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
+//   cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us, route) -> (out, chunks per
+//     thread, route, pool calls left): the sparse product with one thread slowed down, for tests of the work split
+//     (cpu24_split.h).
+#include <cpuid.h>
+#include <unistd.h>
+
+#include <string>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu24_args.h"
+#include "cpu24_split.h"
+
+namespace {
+
+int64_t detect_isa_flags() {
+  int64_t flags = 0;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) flags |= 1;
+  if ((flags & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    flags |= 2;
+  if ((flags & 2) && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512bf16")) flags |= 4;
+  return flags;
+}
+
+// once per process: CPUID traps to the hypervisor in a VM (microseconds), too slow for every call
+int64_t isa_flags() {
+  static const int64_t flags = detect_isa_flags();
+  return flags;
+}
+
+// Token panels of 4x this core's L2 of activations. On the 2-core Zen 3 VM (512 KB L2, 32 MB L3),
+// fp32 [4096, 11008]: 8 tokens ran 2.0x faster with 512 KB panels than with 128 KB (the weight
+// streamed from memory twice instead of four times), and 16 tokens 1.15x faster again with 2 MB
+// (one pass; the panel's activations are reread from L3, far cheaper than the weight from memory).
+int64_t panel_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the OS does not say
+    const int64_t per_core = l2 >= 128 * 1024 && l2 <= 8 * 1024 * 1024 ? l2 : 512 * 1024;
+    return 4 * per_core;
+  }();
+  return bytes;
+}
+
+// How far ahead the kernel prefetches the weight streams (cpu24_args.h). One token, fp32: on
+// the 2-core Zen 3 VM each doubling from 2 KB to 32 KB gained 0-7%, no prefetch was 12-22% slower
+// than 16 KB, and 64 KB gained nothing; on a 2-core Sapphire Rapids VM (48 KB L1D) 1-2 KB streamed
+// 10.7-11.5 GB/s against 8.6-8.9 at 32 KB and 8.9-10.1 at 4 KB, AVX2 and AVX-512 alike (prefetches
+// land in L1, where 32 KB ahead is evicted before it is read).
+int64_t prefetch_bytes() {
+  static const int64_t bytes = [] {
+    unsigned eax = 0, vendor[3] = {0, 0, 0};
+    __get_cpuid(0, &eax, &vendor[0], &vendor[2], &vendor[1]);  // ebx, edx, ecx: "Genu" "ineI" "ntel"
+    return std::string(reinterpret_cast<const char*>(vendor), 12) == "GenuineIntel" ? 2048 : 32768;
+  }();
+  return bytes;
+}
+
+struct Isa {
+  Nm24Rows rows;
+  int64_t needs;  // isa_flags() bits
+  bool bf16_pairs;
+  Nm24Rows few_tokens;  // the rows of a call of at most kFewTokens tokens (same activation layout), null: `rows`
+};
+
+// "avx512" runs one or two tokens with the AVX2 rows. On a Zen 5 core (1 thread, 8-16 cold [8192, 2048]
+// layers; benchmarks/cpu24_isa.py): one token tied with AVX2 at 4 streams each (fp32 9.1 against 9.4 ms,
+// bf16 4.9 against 4.8); two tokens took 14.6 ms in AVX-512 against 10.6 in AVX2 (fp32; bf16 14.0
+// against 6.9); from 3 tokens on, AVX-512 was the faster in fp32 (4 tokens: 13.1 against 16.9 ms; 64:
+// 125 against 215 ms).
+constexpr int64_t kFewTokens = 2;
+
+Isa isa_of(c10::string_view name) {
+  if (name == "avx2") return {nm24_rows_avx2, 1, false, nullptr};
+  if (name == "avx512") return {nm24_rows_avx512, 2, false, nm24_rows_avx2};
+  if (name == "avx512_bf16") return {nm24_rows_avx512_bf16, 4, true, nullptr};
+  if (name == "emulated512") return {nm24_rows_emulated512, 0, false, nullptr};
+  if (name == "emulated512_bf16") return {nm24_rows_emulated512_bf16, 0, true, nullptr};
+  TORCH_CHECK(false, "nmsparse::cpu24_linear: unknown isa '", std::string(name),
+              "'; accepted: avx512_bf16, avx512, avx2, emulated512, emulated512_bf16");
+}
+
+// "[2, 48]": shapes in messages are formatted here, not streamed as IntArrayRef (an extension built on a GPU
+// machine's host, torch 2.11, crashed while formatting that message for a refused input)
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+int wdtype_of(at::ScalarType t) {
+  if (t == at::kFloat) return NM24_F32;
+  if (t == at::kBFloat16) return NM24_BF16;
+  TORCH_CHECK(t == at::kHalf, "nmsparse::cpu24_linear takes fp32, bf16 or fp16 weights, got ", t);
+  return NM24_F16;
+}
+
+void check_layout(const at::Tensor& values, const at::Tensor& bits, int64_t n) {
+  TORCH_CHECK(values.dim() == 4 && bits.dim() == 3 && values.size(2) == NM24_GROUP && values.size(3) == 8 &&
+                  bits.size(0) == values.size(0) && bits.size(1) == values.size(1) && bits.size(2) == NM24_GROUP,
+              "nmsparse::cpu24: expected the CPU layout values [groups, K/16, ", NM24_GROUP, ", 8] and bits [groups, "
+              "K/16, ", NM24_GROUP, "] (nmcompile.kernels.cpu24.cpu_layout), got ", shape_str(values), " and ", shape_str(bits));
+  TORCH_CHECK(n > (values.size(0) - 1) * NM24_GROUP && n <= values.size(0) * NM24_GROUP,
+              "nmsparse::cpu24: out_features ", n, " does not fit ", values.size(0), " groups of ", NM24_GROUP, " rows");
+  TORCH_CHECK(bits.scalar_type() == at::kShort, "nmsparse::cpu24: bits must be int16, got ", bits.scalar_type());
+  TORCH_CHECK(values.device().is_cpu() && bits.device().is_cpu(), "nmsparse::cpu24 runs on CPU tensors");
+  TORCH_CHECK(values.is_contiguous() && bits.is_contiguous(), "nmsparse::cpu24: values and bits must be contiguous");
+}
+
+// For each 8 position bits: where each position's value sits among the kept ones (8: dropped), and
+// how many are kept. Built at compile time.
+struct RankTable {
+  uint8_t index[256][8];
+  uint8_t count[256];
+  constexpr RankTable() : index{}, count{} {
+    for (int m = 0; m < 256; ++m) {
+      int rank = 0;
+      for (int j = 0; j < 8; ++j) index[m][j] = static_cast<uint8_t>((m >> j) & 1 ? rank++ : 8);
+      count[m] = static_cast<uint8_t>(rank);
+    }
+  }
+};
+constexpr RankTable kRank{};
+
+// rows [r0, r1) of the dense weight from the layout, on the values' raw bits (0 is +0.0 in every
+// dtype): each position reads its value, or the zero after a word's 8 values, by table, without a
+// branch or a popcount call (this unit targets any x86-64). A branch per position and a popcount per
+// position ran 12-16 ms for a bf16 [8192, 2048] weight on a Zen 5 core: slower than the dense GEMM of
+// 64 tokens it was made for.
+template <typename Raw>
+void unpack_rows(const Raw* v, const uint16_t* b, Raw* d, int64_t words, int64_t r0, int64_t r1) {
+  const int64_t k = words * 16;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t group = r / NM24_GROUP, within = r % NM24_GROUP;
+    Raw* row = d + r * k;
+    for (int64_t w = 0; w < words; ++w) {
+      const int64_t at = (group * words + w) * NM24_GROUP + within;
+      const unsigned m = b[at];
+      Raw word[9];
+      for (int j = 0; j < 8; ++j) word[j] = v[at * 8 + j];
+      word[8] = 0;
+      const uint8_t* low = kRank.index[m & 0xFF];
+      const uint8_t* high = kRank.index[m >> 8];
+      const int before = kRank.count[m & 0xFF];
+      Raw* out = row + w * 16;
+      for (int j = 0; j < 8; ++j) out[j] = word[low[j]];
+      for (int j = 0; j < 8; ++j) out[8 + j] = word[high[j] + before < 8 ? high[j] + before : 8];
+    }
+  }
+}
+
+// the layout unpacked into `dense` [n, K] (contiguous, the values' dtype)
+void unpack_into(const at::Tensor& values, const at::Tensor& bits, int64_t n, at::Tensor& dense) {
+  const int64_t words = bits.size(1);
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
+  const bool wide = wdtype_of(values.scalar_type()) == NM24_F32;  // fp32, bf16 or fp16, else a named error
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    if (wide)
+      unpack_rows(static_cast<const uint32_t*>(values.data_ptr()), b, static_cast<uint32_t*>(dense.data_ptr()), words, r0, r1);
+    else
+      unpack_rows(static_cast<const uint16_t*>(values.data_ptr()), b, static_cast<uint16_t*>(dense.data_ptr()), words, r0, r1);
+  });
+}
+
+at::Tensor cpu24_unpack(const at::Tensor& values, const at::Tensor& bits, int64_t n) {
+  check_layout(values, bits, n);
+  auto dense = at::empty({n, bits.size(1) * 16}, values.options());  // every position is written
+  unpack_into(values, bits, n, dense);
+  return dense;
+}
+
+// The dense route of a weight held packed only unpacks it for one GEMM. Fresh memory of that size
+// costs a page fault per 4 KB (a bf16 [8192, 2048] weight, 33.5 MB: 7.8 ms on a Zen 5 VM, against 0.3 ms
+// to fill memory already mapped), so each calling thread unpacks into one buffer it keeps, the size of
+// the largest weight it has unpacked. Only this route uses it; cpu24_unpack returns a tensor of its own.
+at::Tensor unpacked_for_gemm(const at::Tensor& values, const at::Tensor& bits, int64_t n) {
+  thread_local at::Tensor buffer;
+  const int64_t k = bits.size(1) * 16, bytes = n * k * values.element_size();
+  if (!buffer.defined() || buffer.numel() < bytes) {
+    buffer = at::Tensor();  // the old one freed first
+    buffer = at::empty({bytes}, values.options().dtype(at::kByte));
+  }
+  auto dense = buffer.narrow(0, 0, bytes).view(values.scalar_type()).view({n, k});
+  unpack_into(values, bits, n, dense);
+  return dense;
+}
+
+// x [tokens, k] (bf16, contiguous) as fp32 [tokens, kp], zero padded; and the fp32 product back in
+// bf16 (round to nearest even, as Tensor.to). Plain loops, not Tensor.to and constant_pad_nd: at one
+// token those cost some 4 us a call in dispatch and allocation, more than converting a few thousand
+// values (a 1B Llama's decoding step makes 112 calls).
+constexpr int64_t kLoopElements = int64_t{1} << 16;
+
+at::Tensor widened(const at::Tensor& x, int64_t kp) {
+  const int64_t tokens = x.size(0), k = x.size(1);
+  auto xs = at::empty({tokens, kp}, x.options().dtype(at::kFloat));
+  float* d = xs.data_ptr<float>();
+  const at::BFloat16* s = x.data_ptr<at::BFloat16>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < k; ++i) d[t * kp + i] = static_cast<float>(s[t * k + i]);
+    for (int64_t i = k; i < kp; ++i) d[t * kp + i] = 0.0f;
+  }
+  return xs;
+}
+
+at::Tensor narrowed(const at::Tensor& out) {
+  auto o = at::empty(out.sizes(), out.options().dtype(at::kBFloat16));
+  const float* s = out.data_ptr<float>();
+  at::BFloat16* d = o.data_ptr<at::BFloat16>();
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) d[i] = static_cast<at::BFloat16>(s[i]);
+  return o;
+}
+
+// the 2:4 product of every row of x (no dense fallback); probe: the split's test hook, else null
+at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+                          const c10::optional<at::Tensor>& bias, int64_t n, c10::string_view isa_name,
+                          SplitProbe* probe) {
+  const int64_t k = bits.size(1) * 16;
+  const int64_t tokens = k ? x.numel() / k : 0;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  const Isa isa = isa_of(isa_name);
+  TORCH_CHECK((isa_flags() & isa.needs) == isa.needs, "nmsparse::cpu24_linear: this CPU cannot run isa '",
+              std::string(isa_name), "' (cpu24_isa() = ", isa_flags(), ")");
+  TORCH_CHECK(!isa.bf16_pairs || values.scalar_type() == at::kBFloat16,
+              "nmsparse::cpu24_linear: isa '", std::string(isa_name), "' takes bf16 weights and inputs");
+  if (tokens == 0) return at::zeros(out_shape, x.options());
+  const int64_t kp = (k + 31) / 32 * 32;
+  at::Tensor xs;
+  // the plain loops where their cost is smaller than a dispatched op's: bf16 (a shift each way) at
+  // decoding sizes; fp16 (no F16C in this unit) and prefill sizes take Tensor.to's vector kernels
+  const bool loops = !isa.bf16_pairs && x.scalar_type() == at::kBFloat16 && x.numel() <= kLoopElements &&
+                     tokens * n <= kLoopElements;
+  if (!loops) {
+    xs = x.reshape({tokens, k}).to(isa.bf16_pairs ? at::kBFloat16 : at::kFloat);
+    if (kp != k) xs = at::constant_pad_nd(xs, {0, kp - k});
+    xs = xs.contiguous();
+  } else {
+    xs = widened(x.reshape({tokens, k}).contiguous(), kp);
+  }
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "nmsparse::cpu24_linear: bias ", shape_str(*bias),
+                " does not match out_features ", n);
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  auto out = at::empty({tokens, n}, x.options().dtype(at::kFloat));
+  Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), wdtype_of(values.scalar_type()),
+             reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
+             out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes()};
+  nm24_split(tokens <= kFewTokens && isa.few_tokens ? isa.few_tokens : isa.rows, a, values.size(0), probe);
+  return (loops ? narrowed(out) : out.to(x.scalar_type())).view(out_shape);
+}
+
+void check_input(const at::Tensor& x, const at::Tensor& values, int64_t k) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "nmsparse::cpu24_linear: input ", shape_str(x),
+              " does not match the weight's in_features ", k);
+  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "nmsparse::cpu24_linear: input dtype ", x.scalar_type(),
+              " differs from the weight's ", values.scalar_type(), " (as for F.linear, cast one of them)");
+}
+
+at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& weight,
+                        int64_t n, int64_t max_tokens, c10::string_view isa_name) {
+  check_layout(values, bits, n);
+  const int64_t k = bits.size(1) * 16;
+  check_input(x, values, k);
+  const int64_t tokens = k ? x.numel() / k : 0;
+  if (max_tokens >= 0 && tokens > max_tokens) {  // the measured range ends here: dense GEMM
+    const bool resident = weight.has_value() && weight->defined() && weight->numel() > 0;
+    return at::linear(x, resident ? *weight : unpacked_for_gemm(values, bits, n), bias);
+  }
+  return sparse_product(x, values, bits, bias, n, isa_name, nullptr);
+}
+
+// cpu24_linear's sparse product with thread `slow_thread` (0 the caller, 1.. the others) sleeping
+// slow_us before each chunk it claims, on `route` (-1 as a real call decides, 1 the OpenMP team, 2
+// the inter-op pool); returns the output, the chunks each thread computed, the route taken (0 one
+// thread, 1, 2) and the calls left that take the pool after this one: tests of the work split
+// (cpu24_split.h)
+std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> cpu24_split_probe(const at::Tensor& x, const at::Tensor& values,
+                                                              const at::Tensor& bits, int64_t n, c10::string_view isa_name,
+                                                              int64_t slow_thread, int64_t slow_us, int64_t route) {
+  check_layout(values, bits, n);
+  check_input(x, values, bits.size(1) * 16);
+  TORCH_CHECK(route >= -1 && route <= 2 && route != 0, "nmsparse::cpu24_split_probe: route is -1, 1 or 2, got ", route);
+  SplitProbe probe;
+  probe.slow_thread = slow_thread;
+  probe.slow_us = slow_us;
+  probe.route = route;
+  auto out = sparse_product(x, values, bits, c10::nullopt, n, isa_name, &probe);
+  return {out, at::tensor(probe.chunks, at::kLong), probe.route, probe.pool_calls_left};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
+  m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
+  m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
+  m.def("cpu24_isa() -> int");
+  m.def("cpu24_split_probe(Tensor x, Tensor values, Tensor bits, int out_features, str isa, int slow_thread, int slow_us, int route) -> (Tensor, Tensor, int, int)");
+}
+
+TORCH_LIBRARY_IMPL(nmsparse, CPU, m) {
+  m.impl("cpu24_linear", cpu24_linear);
+  m.impl("cpu24_unpack", cpu24_unpack);
+  m.impl("cpu24_split_probe", cpu24_split_probe);
+}
+
+TORCH_LIBRARY_IMPL(nmsparse, CompositeExplicitAutograd, m) { m.impl("cpu24_isa", isa_flags); }

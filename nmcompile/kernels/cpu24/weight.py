@@ -1,0 +1,258 @@
+"""A 2:4 weight held packed only: a tensor subclass over the CPU kernel's layout, no dense copy.
+
+:class:`PackedLinearWeight` stands where a finalized ``[out, in]`` linear weight was (the
+parameter of its module, as FSDP2's DTensor does): it has the weight's shape and dtype but holds
+only the kernel's ``values`` and position ``bits`` (:func:`nmcompile.kernels.cpu24.cpu_layout`,
+53% of the dense bytes in fp32, 56% in bf16/fp16, plus at most 7 padding rows). What reads it:
+
+- ``F.linear`` (eager, ``torch.compile``, ``torch.export``; under ``torch.no_grad`` or
+  ``torch.inference_mode``, where ``F.linear`` and ``matmul`` arrive whole): the product ``x @ W.t()`` runs on
+  ``nmsparse::cpu24_linear`` with the layer's measured range (``max_tokens``; calls above it take
+  the dense GEMM on the weight unpacked for that call);
+- any other op (``check``, arithmetic, printing): computed on the dense weight, unpacked for that
+  call only;
+- ``nmcompile.deploy.pack_state_dict`` writes its packed values and metadata without unpacking.
+
+It is traceable (``__tensor_flatten__``): Dynamo, AOTAutograd and ``torch.export`` see the two
+inner tensors. It stays packed through ``copy.deepcopy``, ``torch.save`` of a whole model (loading it
+registers the kernel's ops), ``share_memory_`` (the values and bits move) and conversions to the
+kernel's dtypes (``model.to(torch.bfloat16)``; others, ``model.double()``, are refused). Read-only: in-place ops, ``.data`` assignment and gradients are refused with what to
+do instead.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from .. import cpu24
+
+__all__ = ["PackedLinearWeight"]
+
+aten = torch.ops.aten
+
+
+class PackedLinearWeight(Tensor):
+    values: Tensor
+    bits: Tensor
+
+    @staticmethod
+    def __new__(cls, values: Tensor, bits: Tensor, shape, max_tokens: int = -1, isa: str = "", transposed: bool = False):
+        out_f, in_f = shape
+        outer = (in_f, out_f) if transposed else (out_f, in_f)
+        return Tensor._make_wrapper_subclass(cls, outer, dtype=values.dtype, device=values.device, requires_grad=False)
+
+    def __init__(self, values, bits, shape, max_tokens: int = -1, isa: str = "", transposed: bool = False):
+        self.values, self.bits = values, bits
+        self.weight_shape = tuple(int(s) for s in shape)  # [out, in] of the weight it holds
+        self.max_tokens, self.isa, self.transposed = int(max_tokens), isa, transposed
+
+    @classmethod
+    def from_packed(cls, values: Tensor, meta: Tensor, max_tokens: int = -1, isa: str = "") -> "PackedLinearWeight":
+        """From :func:`nmcompile.pack`'s ``values`` ``[out, in/2]`` and ``meta`` (no dense weight made)."""
+        v, b = cpu24.cpu_layout(values, meta)
+        return cls(v, b, (values.shape[0], values.shape[1] * 2), max_tokens, isa or cpu24.best_isa(values.dtype) or "")
+
+    def __repr__(self) -> str:
+        t = ", transposed" if self.transposed else ""
+        return (f"PackedLinearWeight(shape={list(self.weight_shape)}, dtype={self.dtype}, "
+                f"max_tokens={self.max_tokens}, isa={self.isa!r}{t})")
+
+    def __tensor_flatten__(self):
+        return ["values", "bits"], (self.weight_shape, self.max_tokens, self.isa, self.transposed)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return PackedLinearWeight(inner["values"], inner["bits"], *ctx)
+
+    def _stable_hash_for_caching(self) -> str:  # AOTAutograd's cache: the metadata, not the values
+        return f"PackedLinearWeight {self.weight_shape} {self.dtype} {self.max_tokens} {self.isa} {self.transposed}"
+
+    def __deepcopy__(self, memo):  # PyTorch's own clones wrapper subclasses, and a clone here is dense
+        if id(self) in memo:
+            return memo[id(self)]
+        copied = self._with(values=copy.deepcopy(self.values, memo), bits=copy.deepcopy(self.bits, memo))
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():  # a parameter's flag and records, as Tensor.__deepcopy__ keeps them
+            if key not in copied.__dict__:
+                copied.__dict__[key] = copy.deepcopy(value, memo)
+        return copied
+
+    def __reduce_ex__(self, protocol):  # torch.save of a model or state dict holding it
+        # with the rest of its __dict__: a parameter's flag, its kernel decision and trainable record
+        extra = _extra(self)
+        return _rebuild, (self.values, self.bits, self.weight_shape, self.max_tokens, self.isa, self.transposed,
+                          *((extra,) if extra else ()))
+
+    @property
+    def data(self) -> Tensor:
+        return torch._C.TensorBase.data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, new) -> None:  # PyTorch's setter would swap the storage and leave values and bits as they were
+        if isinstance(new, Tensor) and not isinstance(new, PackedLinearWeight) \
+                and (new.dtype, new.device.type) != (self.dtype, self.device.type):
+            # Module._apply (model.double(), .to(dtype or device)) assigns .data where the result is a plain tensor
+            raise RuntimeError(
+                f"cannot convert a packed 2:4 weight {list(self.weight_shape)} from {self.dtype} on {self.device.type} "
+                f"to {new.dtype} on {new.device.type}: the 2:4 CPU kernel holds float32, bfloat16 or float16 weights "
+                "on the CPU (those conversions keep it packed); unpack the model first "
+                "(nmcompile.deploy.unpack_weights(model)) to convert its dense weights"
+            )
+        raise RuntimeError(
+            f"assigning .data of a packed 2:4 weight {list(self.weight_shape)} would be ignored: it holds only its kept "
+            "values, which .data does not reach; unpack the model first (nmcompile.deploy.unpack_weights(model)), set "
+            "the weight, then nmcompile.deploy.pack_weights(model) again"
+        )
+
+    @property
+    def nbytes_packed(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.bits.numel() * self.bits.element_size()
+
+    def packed(self) -> tuple[Tensor, Tensor]:
+        """``(values, meta)`` in :func:`nmcompile.pack`'s format, for checkpoints."""
+        return cpu24.packed_layout(self.values, self.bits, self.weight_shape[0])
+
+    def dense(self) -> Tensor:
+        """The dense weight (a new tensor; the transpose where this is the transposed view)."""
+        _require_kernel()
+        w = torch.ops.nmsparse.cpu24_unpack(self.values, self.bits, self.weight_shape[0])
+        return w.t() if self.transposed else w
+
+    def _with(self, values=None, bits=None, transposed=None, isa=None) -> "PackedLinearWeight":
+        # an inference tensor only where this one is: a view (t, detach) of a weight made outside
+        # torch.inference_mode is a normal tensor whose version counter PyTorch sets to the weight's
+        with torch.inference_mode(self.is_inference()):
+            out = PackedLinearWeight(
+                self.values if values is None else values, self.bits if bits is None else bits, self.weight_shape,
+                self.max_tokens, self.isa if isa is None else isa, self.transposed if transposed is None else transposed,
+            )
+        # its records (kernel decision, trainable), which Module._apply (.to, share_memory) would lose
+        # when it wraps the result in a new Parameter; not the parameter flag itself
+        out.__dict__.update(_extra(self, "_is_param"))
+        return out
+
+    def share_memory_(self) -> "PackedLinearWeight":
+        """Move the values and bits to shared memory (PyTorch's own would read a storage this wrapper has not)."""
+        self.values.share_memory_()
+        self.bits.share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        return self.values.is_shared() and self.bits.is_shared()
+
+    def _linear(self, x: Tensor, bias) -> Tensor:
+        """``F.linear(x, W, bias)`` on the kernel, ``W`` the ``[out, in]`` weight this holds."""
+        _require_kernel()
+        return torch.ops.nmsparse.cpu24_linear(
+            x, self.values, self.bits, bias, None, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return args[0]._with()
+        if func is aten.t.default or (func is aten.transpose.int and sorted(a % 2 for a in args[1:3]) == [0, 1]):
+            return args[0]._with(transposed=not args[0].transposed)
+        if func in (aten.mm.default, aten.addmm.default):
+            bias, x, w = (None, *args[:2]) if func is aten.mm.default else args[:3]
+            if isinstance(w, PackedLinearWeight) and w.transposed and not isinstance(x, PackedLinearWeight) \
+                    and (bias is None or (bias.dim() == 1 and not kwargs)):
+                return w._linear(x, bias)
+        # under torch.inference_mode the composite ops arrive whole (no autograd key decomposes them)
+        if func is aten.linear.default:
+            x, w, bias = (*args, None)[:3] if len(args) < 3 else args[:3]
+            bias = kwargs.get("bias", bias)
+            if isinstance(w, PackedLinearWeight) and not w.transposed and not isinstance(x, PackedLinearWeight) \
+                    and not isinstance(bias, PackedLinearWeight) and x.dim() >= 1:
+                return w._linear(x, bias)
+        if func is aten.matmul.default and not kwargs:
+            x, w = args[:2]
+            if isinstance(w, PackedLinearWeight) and w.transposed and not isinstance(x, PackedLinearWeight) \
+                    and x.dim() >= 2:
+                return w._linear(x, None)
+        if func is aten._to_copy.default or func.overloadpacket is aten.to:
+            cast = _cast(func, args, kwargs)
+            if cast is not None:
+                return cast
+        if any(isinstance(t, PackedLinearWeight) for t in _written(func, args, kwargs)):
+            raise RuntimeError(
+                f"{func} would write into a packed 2:4 weight, which holds only its kept values; unpack the model "
+                "first (nmcompile.deploy.unpack_weights(model)) to change weights"
+            )
+        dense = tree_map(lambda t: t.dense() if isinstance(t, PackedLinearWeight) else t, (args, kwargs))
+        return func(*dense[0], **dense[1])
+
+
+def _require_kernel() -> None:
+    """Load the 2:4 CPU kernel's ops (once per process), or say why a packed weight cannot be computed here."""
+    state = cpu24.status()
+    if not state.available:
+        raise RuntimeError(
+            f"a packed 2:4 weight is computed by the 2:4 CPU kernel, which is not available here: {state.reason}; "
+            "on such a machine load its checkpoint dense (nmcompile.deploy.unpack_state_dict)"
+        )
+
+
+#: the attributes :meth:`PackedLinearWeight.__init__` sets (the rest of a weight's __dict__ is pickled beside them)
+_OWN = frozenset({"values", "bits", "weight_shape", "max_tokens", "isa", "transposed"})
+
+
+def _bound(func, args, kwargs) -> dict:
+    """``func``'s arguments by name."""
+    return {**{a.name: v for a, v in zip(func._schema.arguments, args)}, **kwargs}
+
+
+def _written(func, args, kwargs) -> list:
+    """The arguments ``func`` writes into (``self`` of an in-place op, ``out=``): a packed weight may be read
+    by a write into a dense tensor (``dense.copy_(packed)``: ``load_state_dict`` into a plain model)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    bound = _bound(func, args, kwargs)
+    return [bound.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _cast(func, args, kwargs):
+    """``weight.to(dtype)`` (``_to_copy``, or ``to`` as it arrives under ``torch.inference_mode``) kept packed
+    where the kernel takes the dtype, on the CPU; None for other conversions (computed on the dense weight)."""
+    bound = _bound(func, args, kwargs)
+    w = bound.get("self")
+    if not isinstance(w, PackedLinearWeight):
+        return None
+    dtype = bound.get("dtype") or w.dtype
+    device = bound.get("device")
+    if dtype not in cpu24.DTYPES or (device is not None and torch.device(device).type != "cpu") \
+            or bound.get("layout") not in (None, torch.strided) or bound.get("pin_memory"):
+        return None
+    if func is not aten._to_copy.default and dtype == w.dtype and not bound.get("copy"):
+        return w  # to() of what it already is: the weight itself, as for any tensor
+    values = w.values.to(dtype, copy=True)
+    # the fastest ISA for the new dtype where the weight had the fastest for its own (avx512_bf16 is for bf16
+    # only), else the one it was given, where that takes the new dtype
+    keep = w.isa in _isas_for(dtype) and w.isa != cpu24.best_isa(w.dtype)
+    return w._with(values=values, isa=w.isa if keep else cpu24.best_isa(dtype) or w.isa)
+
+
+def _isas_for(dtype: torch.dtype) -> tuple:
+    return tuple(name for name in cpu24.ISAS if name != "avx512_bf16" or dtype == torch.bfloat16)
+
+
+def _extra(weight: PackedLinearWeight, *leave: str) -> dict:
+    """What ``weight``'s __dict__ holds beyond its own fields (and PyTorch's cached size capsules)."""
+    return {k: v for k, v in weight.__dict__.items() if k not in _OWN and k not in leave and not k.startswith("_sym_")}
+
+
+def _rebuild(values, bits, shape, max_tokens, isa, transposed, extra=None):
+    # unpickled in a fresh process (torch.load of a whole model): register the kernel's ops now, as
+    # pack_weights and load_packed did where the weight was made (a machine without it is named at use)
+    cpu24.status()
+    weight = PackedLinearWeight(values, bits, shape, max_tokens, isa, transposed)
+    weight.__dict__.update(extra or {})
+    return weight

@@ -1,0 +1,306 @@
+"""The CPU half of the deploy decision: time the 2:4 CPU kernel against dense on the layer's shape.
+
+On a CPU the 2:4 kernel wins where the GEMM is memory-bound (few tokens: decoding streams every
+weight once per token, and the packed weight is about half the bytes) and loses where it is
+compute-bound (prefill, batches: the dense GEMM's blocking is better and the sparse one does the
+same products plus the expansion). :func:`measure_cpu` times both, interleaved, on a ladder of
+token counts (or the graph's static count) and keeps the sparse kernel up to the largest count
+below which it was clearly faster at every rung (``max_tokens``: the slower quartile of the sparse
+timings beats the faster quartile of the dense ones by the margin, so that a noisy machine's lucky
+median does not pick a kernel that is slower in use); larger calls take the dense GEMM inside the
+same op. Measurements are made on random weights of the layer's shape and dtype, once per
+shape, thread count and ISA in a process, and on disk (:mod:`.decision_cache`): a later process
+with the same CPU, threads, shape, dtype, ladder and versions reads the decision instead of timing.
+
+A rung whose timings cannot be right is timed again (:func:`judge`: a ratio below what the bytes
+allow, or, where the bytes make the kernel the faster one, a spread wider than the difference);
+if it never can, the bytes decide it (:func:`walk`), the decision's reason says so, and nothing is
+written to the cache: with one of two cores busy, the timing once sent a layer that is 2x faster
+when quiet to dense.
+
+Both kernels are timed with their weight out of the caches, as in a deployed model whose layers
+stream from memory in turn: each call reads one of several copies of the weight, rotated so that
+the copies between two reads of one copy exceed the last-level cache (:data:`COLD_BYTES`). Timed
+warm, a layer whose dense and packed weights fit in L3 together measured the kernel 1.13x faster
+at 64 tokens where it ran 0.92x in a model.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .. import cpu24
+from . import cache as decision_cache
+from . import MARGIN, Decision
+from ... import masks
+from ..format24 import pack
+
+__all__ = ["measure_cpu", "sparse_range", "sparse_ladder", "measure_ladder", "Ladder", "walk", "judge", "plausible",
+           "bytes_bound", "layer_timer", "max_tokens_of", "provenance", "CPU_LADDER", "time_pair", "time_series", "rotation"]
+
+#: token counts tried when the graph's token count is dynamic
+CPU_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: seconds spent timing one rung (both kernels)
+RUNG_BUDGET = 0.08
+#: bytes of weight copies read between two reads of one copy: twice a 32 MB last-level cache
+COLD_BYTES = 64 * 2**20
+#: the most copies of one weight (a layer of under 8 MB is timed partly warm)
+MAX_COPIES = 8
+#: the timing method's version, part of the decision cache's key: a change here re-times every shape
+TIMING_METHOD = 2
+#: times a rung whose result cannot be right is timed again before the bytes decide it
+RETRIES = 3
+#: at one token (:data:`BYTES_TOKENS`) a layer of at least BYTES_MIN dense bytes streams its weight
+#: from memory and the kernel reads about half of dense's bytes (:func:`bytes_bound`); a ratio below
+#: PLAUSIBLE_STREAM x that bound would mean the kernel streams at under half of dense's bytes per
+#: second, which no quiet measurement has shown (AVX2 on Zen 3: 0.6; AVX-512 on Sapphire Rapids:
+#: 0.8-0.95). With one of two cores busy, a statically split kernel measured 0.46-0.55x there.
+PLAUSIBLE_STREAM = 0.5
+BYTES_MIN = 4 * 2**20
+BYTES_TOKENS = 1
+#: below this ratio no rung can be right (the kernel does dense's products on half the weight bytes;
+#: tiny layers, where the op's fixed cost of about 10 us rules, measured 0.3-0.5x): a tiny GPT-2
+#: measured 0.01x on a busy machine
+ABSURD_RATIO = 0.1
+
+
+def time_series(first, second, budget: float = RUNG_BUDGET) -> tuple[list[float], list[float]]:
+    """Seconds of each call of ``first()`` and ``second()``, called alternately (so both see the same machine)."""
+    for fn in (first, second):
+        fn()
+    start = time.perf_counter()
+    first()
+    second()
+    once = time.perf_counter() - start
+    reps = max(5, min(31, int(budget / max(once, 1e-6))))
+    a, b = [], []
+    for _ in range(reps):
+        for fn, out in ((first, a), (second, b)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return a, b
+
+
+def time_pair(first, second, budget: float = RUNG_BUDGET) -> tuple[float, float]:
+    """Median seconds of ``first()`` and ``second()``, called alternately."""
+    a, b = time_series(first, second, budget)
+    return statistics.median(a), statistics.median(b)
+
+
+def rotation(copies: int):
+    """``turn(kernel) -> index``: the copy of the weight each next call of ``"dense"`` or
+    ``"sparse"`` reads. Each kernel steps through all copies in turn, about half a cycle apart, so
+    that, with the kernels called alternately and three or more copies, no call reads the copy that
+    the call before it read (where both kernels read the packed copy: ``packed_only``)."""
+    at = {"dense": 0, "sparse": (copies + 1) // 2}
+
+    def turn(kernel: str) -> int:
+        at[kernel] = (at[kernel] + 1) % copies
+        return at[kernel]
+
+    return turn
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """The rungs of one measurement, and where they come from."""
+
+    rungs: tuple  # ((tokens, dense / sparse median time, sparse clearly faster), ...)
+    source: str = "timed"  # "timed" in this process, "cached" (an earlier one), or "bytes" (see note)
+    note: str = ""  # source "bytes": the timings that could not be right, which the bytes model replaced
+
+    @property
+    def ratios(self) -> tuple:
+        return tuple((tokens, ratio) for tokens, ratio, _ in self.rungs)
+
+
+def bytes_bound(dtype: torch.dtype) -> float:
+    """Dense bytes over the 2:4 kernel's bytes for one weight: half the values plus a 16-bit word of
+    position bits per 16 positions (fp32 1.88, bf16/fp16 1.78)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return size / (size / 2 + 2 / 16)
+
+
+def plausible(out_f: int, in_f: int, dtype: torch.dtype, tokens: int) -> tuple[float, bool]:
+    """``(floor, bytes_win)``: the lowest dense/sparse ratio at ``tokens`` that can be right, and
+    whether the bytes alone make the kernel the faster one there (one token on a layer of at least
+    :data:`BYTES_MIN`: it streams its weight from memory, and the kernel reads about half the bytes)."""
+    dense_bytes = out_f * in_f * torch.empty((), dtype=dtype).element_size()
+    if tokens <= BYTES_TOKENS and dense_bytes >= BYTES_MIN:
+        return PLAUSIBLE_STREAM * bytes_bound(dtype), True
+    return ABSURD_RATIO, False
+
+
+def judge(tokens: int, dense: list[float], sparse: list[float], floor: float, bytes_win: bool):
+    """``(ratio, clear, doubt)`` of one rung's timings: the median ratio, whether the sparse kernel was
+    clearly faster (its slower quartile beats dense's faster one by the margin), and why the result
+    cannot be right (None when it can): a ratio below ``floor``, or, where the bytes say the kernel
+    wins, a slower result whose quartile spread is wider than the difference of the medians."""
+    dense_median, sparse_median = statistics.median(dense), statistics.median(sparse)
+    ratio = dense_median / sparse_median
+    (d1, d3), (s1, s3) = _quartiles(dense), _quartiles(sparse)
+    clear = d1 > MARGIN * s3
+    if clear:
+        return ratio, True, None
+    if ratio < floor:
+        return ratio, False, f"{ratio:.2f}x at {tokens} tokens, below the {floor:.2f}x that can be right"
+    spread = (d3 - d1) + (s3 - s1)
+    if bytes_win and spread > abs(dense_median - sparse_median):
+        return ratio, False, (f"{ratio:.2f}x at {tokens} tokens with quartile spreads ({spread / sparse_median:.0%} "
+                              f"of the sparse time) wider than the difference")
+    return ratio, False, None
+
+
+def walk(ladder, measure, out_f: int, in_f: int, dtype: torch.dtype, retries: int = RETRIES) -> Ladder:
+    """Time the ``ladder``'s rungs with ``measure(tokens) -> (dense seconds, sparse seconds)`` up to the
+    first where sparse was not clearly faster. A rung whose timings cannot be right (:func:`judge`)
+    is timed again up to ``retries`` times; if it never can, the bytes decide it (sparse where they
+    make the kernel the faster one, else the ladder ends) and the ladder's source is ``"bytes"``."""
+    rungs, doubts = [], []
+    for tokens in ladder:
+        floor, bytes_win = plausible(out_f, in_f, dtype, tokens)
+        for _ in range(1 + retries):
+            ratio, clear, doubt = judge(tokens, *measure(tokens), floor, bytes_win)
+            if doubt is None:
+                break
+        if doubt is not None:
+            doubts.append(f"{doubt} ({1 + retries} times)")
+            clear = bytes_win
+        rungs.append((tokens, ratio, clear))
+        if not clear:
+            break
+    return Ladder(tuple(rungs), "bytes" if doubts else "timed", "; ".join(doubts))
+
+
+def layer_timer(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, packed_only: bool):
+    """``measure(tokens) -> (dense seconds, sparse seconds)`` of each call, on random 2:4 weights of the
+    layer's shape in rotated copies (cold, see the module's doc)."""
+    generator = torch.Generator().manual_seed(0)
+    w = masks.prune(torch.randn(out_f, in_f, generator=generator), 2, 4, 1).to(dtype)
+    b = torch.randn(out_f, generator=generator).to(dtype) if bias else None
+    packed = pack(w)
+    values, bits = cpu24.cpu_layout(packed.values, packed.meta)
+    per_copy = values.nbytes + bits.nbytes + (0 if packed_only else w.nbytes)
+    copies = [(w, values, bits)] + [(w if packed_only else w.clone(), values.clone(), bits.clone())
+                                    for _ in range(min(MAX_COPIES, -(-COLD_BYTES // per_copy)) - 1)]
+    op = torch.ops.nmsparse.cpu24_linear
+
+    def measure(tokens: int):
+        x = torch.randn(tokens, in_f, generator=generator).to(dtype)
+        turn = rotation(len(copies))
+
+        def take(kernel: str):
+            return copies[turn(kernel)]
+
+        if packed_only:
+            def alternative():
+                _, v, m = take("dense")
+                return op(x, v, m, b, None, out_f, 0, isa)
+        else:
+            def alternative():
+                return F.linear(x, take("dense")[0], b)
+
+        def sparse_call():
+            _, v, m = take("sparse")
+            return op(x, v, m, b, None, out_f, -1, isa)
+
+        with torch.no_grad():
+            return time_series(alternative, sparse_call)
+
+    return measure
+
+
+def _key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only) -> dict:
+    return decision_cache.key(out_features=out_f, in_features=in_f, dtype=dtype, bias=bias, isa=isa, threads=threads,
+                              ladder=ladder, packed_only=packed_only, method=TIMING_METHOD)
+
+
+def measure_ladder(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
+                   packed_only: bool = False) -> Ladder:
+    """Time the ladder now, at the current thread count, and write it to the decision cache when it
+    could be trusted (never when the bytes model decided a rung)."""
+    measured = walk(tuple(ladder), layer_timer(out_f, in_f, dtype, bias, isa, packed_only), out_f, in_f, dtype)
+    if measured.source == "timed":
+        decision_cache.store(_key(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only),
+                             measured.rungs)
+    return measured
+
+
+@functools.lru_cache(maxsize=64)
+def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, threads: int,
+            ladder: tuple[int, ...], packed_only: bool = False) -> Ladder:
+    """The :class:`Ladder` up to the first rung where sparse was not clearly faster: from the decision
+    cache where an earlier process (or ``nmcompile tune``) measured this key, else timed now.
+
+    ``packed_only``: the weight has no dense copy, so the alternative to the kernel is unpacking it
+    for the call and then the dense GEMM (what ``cpu24_linear`` does above ``max_tokens``)."""
+    cached = decision_cache.load(_key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only))
+    if cached is not None:
+        return Ladder(cached, "cached")
+    return measure_ladder(out_f, in_f, dtype, bias, isa, ladder, packed_only)
+
+
+def sparse_ladder(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
+                  packed_only: bool = False) -> tuple[int, Ladder]:
+    """``(max_tokens, ladder)``: the largest rung up to which the kernel was clearly faster at every
+    rung (0: not even at the first), and the :class:`Ladder` that says so."""
+    measured = _ratios(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only)
+    return max_tokens_of(measured), measured
+
+
+def max_tokens_of(measured: Ladder) -> int:
+    """The largest rung up to which the kernel was clearly faster at every rung (0: not at the first)."""
+    rung = 0
+    for count, _, clear in measured.rungs:
+        if not clear:
+            break
+        rung = count
+    return rung
+
+
+def sparse_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
+                 packed_only: bool = False) -> tuple[int, tuple]:
+    """``(max_tokens, ratios)``: :func:`sparse_ladder`'s range and its ``((tokens, median ratio), ...)``."""
+    max_tokens, measured = sparse_ladder(out_f, in_f, dtype, bias, isa, ladder, packed_only)
+    return max_tokens, measured.ratios
+
+
+def provenance(measured: Ladder) -> str:
+    """How a ladder was decided, for a decision's reason ("" when timed in this process)."""
+    if measured.source == "cached":
+        return f"measured by an earlier process (decision cache in {decision_cache.cache_root()})"
+    if measured.source == "bytes":
+        return f"the bytes decide, the timings could not be right: {measured.note}"
+    return ""
+
+
+def measure_cpu(decision: Decision, weight: torch.Tensor, bias, tokens: int | None) -> Decision:
+    """Time dense vs ``cpu24`` for this layer (or read an earlier process's timing) and keep the sparse
+    kernel over the token counts where it was faster. ``tokens``: the graph's static token count, or
+    None (dynamic)."""
+    if decision.kernel != "cpu24" or decision.reason.startswith("deploy_kernel='cpu24'"):
+        return decision  # forced: every token count, not timed
+    ladder = CPU_LADDER if tokens is None else (max(tokens, 1),)
+    out_f, in_f = weight.shape
+    max_tokens, measured = sparse_ladder(out_f, in_f, weight.dtype, bias is not None, decision.isa, ladder)
+    how = provenance(measured)
+    ratios = measured.ratios
+    speedup = None if measured.source == "bytes" else ratios[0][1]
+    if not max_tokens:
+        count, ratio = ratios[0]
+        reason = f"the 2:4 CPU kernel ({decision.isa}) measured {ratio:.2f}x of dense at {count} tokens"
+        return Decision("dense", f"{reason}; {how}" if how else reason, speedup=speedup, ratios=ratios)
+    reason = f"{decision.reason}; {how}" if how else decision.reason
+    return replace(decision, reason=reason, max_tokens=max_tokens, speedup=speedup, ratios=ratios)
