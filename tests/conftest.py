@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,9 +33,17 @@ def _fresh_dynamo(monkeypatch, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def benchmark_script():
-    """Imports a script of ``benchmarks/`` by name: ``benchmark_script("real_scale")`` (its path:
-    the module's ``__file__``). The folder goes on ``sys.path`` after the installed packages, for the
-    session: the scripts import each other by name."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.append(str(BENCHMARKS))
-    return importlib.import_module
+    """Imports a script of ``benchmarks/`` by name: ``benchmark_script("real_scale")`` is
+    ``benchmarks/models/real_scale.py`` (its path: the module's ``__file__``). The repository root goes on
+    ``sys.path`` after the installed packages, for the session: the scripts import the toolbox and each
+    other as ``benchmarks.<group>.<script>``."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+
+    def load(name: str):
+        found = sorted(BENCHMARKS.glob(f"*/{name}.py"))
+        if len(found) != 1:
+            raise LookupError(f"benchmark script {name!r}: {len(found)} files benchmarks/*/{name}.py")
+        return importlib.import_module(f"benchmarks.{found[0].parent.name}.{name}")
+
+    return load

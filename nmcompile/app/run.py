@@ -1,6 +1,6 @@
 """One training run with a recipe through ``torch.compile(..., backend="nmsparse")``, recorded as JSON.
 
-:func:`train_run` is shared by ``nmcompile demo`` and ``benchmarks/quality.py``: it annotates the
+:func:`train_run` is shared by ``nmcompile demo`` and ``benchmarks/quality/quality.py``: it annotates the
 model, compiles it, trains it with AdamW (with :func:`nmcompile.hook_optimizer` for the mask
 diagnostics; schedules count the steps by themselves) at a constant learning rate or with warmup then
 cosine decay (:func:`lr_at`), evaluates it every ``eval_every`` steps, and returns a JSON-ready record: the loss

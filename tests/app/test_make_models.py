@@ -1,4 +1,4 @@
-"""benchmarks/make_models.py: a tiny Llama-shaped directory, written shard by shard, loads through
+"""benchmarks/models/make_models.py: a tiny Llama-shaped directory, written shard by shard, loads through
 ``transformers.AutoModelForCausalLM.from_pretrained`` with no missing or unexpected key, and every
 tensor the model holds is the one written. The real sizes (1B, 3B, 8B) use the same code."""
 

@@ -1,12 +1,14 @@
-"""The quality study's configurations, table and claim checks (benchmarks/quality*.py) on synthetic results."""
+"""The quality study's configurations, table and claim checks (benchmarks/quality/*.py) on synthetic results."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+ROOT = str(Path(__file__).resolve().parents[2])
+if ROOT not in sys.path:
+    sys.path.append(ROOT)  # benchmarks/ is not installed
 
-import quality  # noqa: E402
-import quality_report as report  # noqa: E402
+from benchmarks.quality import quality  # noqa: E402
+from benchmarks.quality import quality_report as report  # noqa: E402
 
 
 def row(task, name, seed, metric, flip=None, regime=None):

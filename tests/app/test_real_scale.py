@@ -1,4 +1,4 @@
-"""benchmarks/real_scale.py: the bytes bound it computes from a model (checked against the issue's
+"""benchmarks/models/real_scale.py: the bytes bound it computes from a model (checked against the issue's
 figures for the 1B, 3B and 8B shapes, built on the meta device), the 2:4 model it makes from a
 directory written by make_models.py, and one eager decode row rendered with its targets. The timed
 runs themselves are benchmarks, not tests."""

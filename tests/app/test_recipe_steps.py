@@ -1,4 +1,4 @@
-"""benchmarks/recipe_steps.py (every recipe's GPT-2-small step against dense on a GPU): its code path runs
+"""benchmarks/training/recipe_steps.py (every recipe's GPT-2-small step against dense on a GPU): its code path runs
 here on a tiny decoder on the CPU, so that a GPU's minutes are not spent on a Python error. No timing
 is asserted; the times must only exist and be finite."""
 

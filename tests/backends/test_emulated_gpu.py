@@ -5,7 +5,7 @@ with cuSPARSELt, at static and dynamic token counts, on sliced inputs and under 
 What this proves and what it does not: the calls nmcompile makes are ones the CUDA ops accept, and
 read their operands as nmcompile means them (strides, dims, dtypes, metadata order); the results
 equal the dense model's. Kernel speed, algorithm ids, CUDA-graph capture and sm90's own shape rules
-are left to ``benchmarks/gpu_check.py`` on a GPU.
+are left to ``benchmarks/gpu/gpu_check.py`` on a GPU.
 """
 
 import pytest

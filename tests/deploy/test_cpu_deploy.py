@@ -1,7 +1,7 @@
 """The CPU deploy path: the 2:4 CPU kernel chosen per layer by timing, its token range, its fallbacks.
 
 Timings never decide a test: the range logic is checked with given ratios, and the compiled graph's
-routing with forced and patched decisions. The measured numbers live in benchmarks/cpu_deploy.py.
+routing with forced and patched decisions. The measured numbers live in benchmarks/cpu/cpu_deploy.py.
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py: on a machine without CUDA it says so, writes its JSON and table, and exits
+"""benchmarks/gpu/gpu_check.py: on a machine without CUDA it says so, writes its JSON and table, and exits
 0; its summaries and target verdicts are checked here on made-up rows (the real numbers come only
 from a GPU run)."""
 
@@ -85,34 +85,7 @@ def test_targets_and_table_from_rows(gpu_check):
     assert "| vit-l fc1 13008x1024->4096 | 3.000 | 1.500 | 2.0 | 2.000 | 1.600 | 1.25 |" in table
 
 
-# ---- the risks only a GPU settles (gpu_risks.py) and the per-file test budget
-
-
-@pytest.mark.slow
-def test_risk_checks_run_against_the_cuda_contracts_on_the_cpu(gpu_check):
-    import gpu_risks
-    from _gpu_contracts import emulated_gpu
-
-    with emulated_gpu() as emu:
-        rows = gpu_risks.alg_id("cpu") + gpu_risks.sm90_shapes("cpu") + gpu_risks.cuda_graph("cpu")
-        rows += gpu_risks.silent_pruning("cpu", recipes=("transposable:2:4,wgrad=mvue24",))
-    by_check = {}
-    for r in rows:
-        by_check.setdefault(r["check"], []).append(r)
-    assert [r["case"] for r in by_check["alg_id"]] == [
-        "search at 4096 tokens", "alg_id 0 at 8 tokens", "alg_id 0 at 16 tokens", "alg_id 0 at 64 tokens",
-        "alg_id 0 at 200 tokens"]
-    assert len(by_check["sm90_shapes"]) == 18 and "[48, 80] x [80, 24]" in [r["case"] for r in by_check["sm90_shapes"]]
-    assert all(r["status"] == "ok" for c in ("alg_id", "sm90_shapes", "silent_pruning") for r in by_check[c]), rows
-    assert by_check["cuda_graph"] == [gpu_risks.row("cuda_graph", "capture", "skipped", "needs CUDA")]
-    assert {c.dims[2] for c in emu.calls if c.op == "cslt_sparse_mm_search"} == {4096}
-    assert gpu_risks.step_gate("cpu")[0]["status"] == "skipped"
-    (passes,) = gpu_risks.post_grad_passes("cpu")  # torch 2.13 takes the list; the GPU machines' 2.11 says
-    assert passes["status"] == "ok" and "ran 2 times" in passes["detail"], passes  # forward and backward graphs
-    # a wrong product is a failed row, not a pass
-    assert gpu_risks._compare(torch.ones(4), torch.zeros(4))[0] == "failed"
-    skipped = gpu_risks.run_checks("cpu", left=lambda: 0.0)
-    assert [r["check"] for r in skipped] == list(gpu_risks.CHECKS) and {r["status"] for r in skipped} == {"skipped"}
+# ---- the per-file test budget (the risks only a GPU settles: tests/kernels/test_gpu_risks.py)
 
 
 def test_gpu_tests_run_per_file_within_their_budget(gpu_check, monkeypatch):

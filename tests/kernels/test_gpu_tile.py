@@ -1,4 +1,4 @@
-"""benchmarks/gpu_tile.py (the tile experiment): without CUDA it says so and exits 0; its comparisons run
+"""benchmarks/gpu/gpu_tile.py (the tile experiment): without CUDA it says so and exits 0; its comparisons run
 here on the CPU stand-in for cuSPARSELt (tests/_gpu_contracts.py) with a stand-in tile op built from
 the emulation, so that a GPU's minutes are not spent on a Python error, and so that its answers can
 tell a wrong metadata layout from a re-pruned mask."""
@@ -20,7 +20,7 @@ def gpu_tile(benchmark_script):
 def stand_in_tile(scramble_meta: bool = False):
     """The tile op as the emulation says it selects, compressed by the stand-in ``_cslt_compress``;
     ``scramble_meta`` flips metadata bits (the layout question, with the values right)."""
-    import tile_emulation as emu
+    from benchmarks.gpu import tile_emulation as emu
 
     def compress(t):
         buf = torch._cslt_compress(t).clone()

@@ -1,4 +1,4 @@
-"""benchmarks/tile_emulation.py: which entries ``torch._sparse_semi_structured_tile`` keeps, emulated on
+"""benchmarks/gpu/tile_emulation.py: which entries ``torch._sparse_semi_structured_tile`` keeps, emulated on
 the CPU from its CUDA source. What it says about nmcompile's masks decides where the one-kernel
 compressor may stand in for ``torch._cslt_compress`` (a GPU run checks the emulation against the op)."""
 

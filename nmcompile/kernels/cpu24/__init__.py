@@ -47,7 +47,7 @@ __all__ = ["Status", "status", "library_name", "isas", "best_isa", "cpu_layout",
 
 SOURCES = Path(__file__).parent  # the C++ sources sit beside this file
 #: ISA names the op takes, with the cpu24_isa() bits each needs. Measured on a Zen 5 core
-#: (``benchmarks/cpu24_isa.py``): ``avx512`` (one or two tokens on the AVX2 rows) was the fastest for
+#: (``benchmarks/cpu/cpu24_isa.py``): ``avx512`` (one or two tokens on the AVX2 rows) was the fastest for
 #: fp32 and fp16 weights, ``avx2`` for bf16 ones (1-4 tokens, where the kernel beats dense bf16);
 #: ``avx512_bf16`` (bf16 pairs) no default picks: at one token it ran 0.82-1.26x dense bf16 against
 #: ``avx2``'s 2.3-3.3x, and from 16 tokens on, where it was the fastest of the three, dense bf16 (native

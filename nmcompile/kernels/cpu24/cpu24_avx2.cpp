@@ -17,7 +17,7 @@ namespace {
 // (the fp32 with the same value). A bf16 word's 8 values are 16 bytes, broadcast once to both lanes
 // for both halves: the second half's table reads values 4..7 (bytes 8..15); one load per word in
 // place of two took a word-row from 0.90 to 0.80 ns with the weight in L2 (Zen 3, 1 thread;
-// benchmarks/cpu24_word_cost.cpp). Built
+// benchmarks/cpu/cpu24_word_cost.cpp). Built
 // at compile time (a constructor running at load would be AVX2 code on any CPU).
 struct ShuffleTable {
   alignas(64) uint8_t f32[256][32];

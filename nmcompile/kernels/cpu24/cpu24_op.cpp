@@ -77,7 +77,7 @@ struct Isa {
 };
 
 // "avx512" runs one or two tokens with the AVX2 rows. On a Zen 5 core (1 thread, 8-16 cold [8192, 2048]
-// layers; benchmarks/cpu24_isa.py): one token tied with AVX2 at 4 streams each (fp32 9.1 against 9.4 ms,
+// layers; benchmarks/cpu/cpu24_isa.py): one token tied with AVX2 at 4 streams each (fp32 9.1 against 9.4 ms,
 // bf16 4.9 against 4.8); two tokens took 14.6 ms in AVX-512 against 10.6 in AVX2 (fp32; bf16 14.0
 // against 6.9); from 3 tokens on, AVX-512 was the faster in fp32 (4 tokens: 13.1 against 16.9 ms; 64:
 // 125 against 215 ms).

@@ -1,0 +1,1 @@
+"""Benchmarks of the 2:4 CPU kernel (see ../README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmarks and checks on a CUDA GPU, and the scripts a lent GPU machine runs (see ../README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmarks on models of real size: making them, decoding, memory, checkpoints, one-shot pruning (see ../README.md)."""

@@ -1,0 +1,1 @@
+"""The quality study: do the recipes deliver what their papers claim (see ../README.md)."""

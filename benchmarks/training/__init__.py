@@ -1,0 +1,1 @@
+"""Benchmarks of training steps: recipes against dense, compile time (see ../README.md)."""
