@@ -208,8 +208,9 @@ def main(argv=None) -> int:
                       "(default: one pass unless its statistics, held twice, would take more than half the memory available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the loaded and written model (default auto: the checkpoint's own)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out that nmcompile prune did not "
-                   "write (an earlier prune's output is replaced without it)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out that nmcompile prune did "
+                   "not write: its weights files are replaced, its other files stay (an earlier prune's output is "
+                   "replaced without it, keeping the files you added)")
     p.add_argument("--include", action="append", metavar="GLOB", help="prune only these weights (repeatable)")
     p.add_argument("--exclude", action="append", metavar="GLOB", help="leave these dense (repeatable; output "
                    "heads and MoE routers stay dense by default: see docs/reference.md)")

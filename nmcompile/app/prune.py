@@ -20,9 +20,12 @@ that cannot take the weights is refused before calibrating.
 
 The model keeps its own dtype (a bf16 checkpoint is calibrated and written in bf16; each weight's
 solve runs in float32); ``dtype`` overrides it. The output is written to a temporary folder beside
-``out`` and renamed at the end, so an interrupted prune leaves no folder that looks complete; ``out``
-may not be the input model (or hold it), and a non-empty ``out`` that is not an earlier output of
-``nmcompile prune`` is refused unless ``overwrite``.
+``out`` and renamed at the end, so an interrupted prune leaves no folder that looks complete (the staging
+folders of a killed run are removed by the next); ``out`` is checked before any work: it may not be the
+input model (or hold it), it must be writable (a link is written through), and a non-empty ``out`` that is
+not an earlier output of ``nmcompile prune`` is refused unless ``overwrite`` (which replaces the weights
+files in it, as :func:`nmcompile.deploy.save_pretrained` does). A user's files in an earlier output, and
+the other files of a folder given with ``overwrite``, are carried into the new one.
 """
 
 from __future__ import annotations
@@ -32,16 +35,16 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import saving
+from ..checkpoint import folders, saving
 from ..declare.annotate import annotate
 from ..deploy.finalize import finalize
 from ..deploy.inspection import check as check_nm
@@ -206,30 +209,41 @@ def _check_ids(model, ids: torch.Tensor, seq_len: int, where: str) -> None:
                          f"{vocab} (ids 0 to {vocab - 1}); the ids were made by another tokenizer")
 
 
-def _output_folder(out: str, model_path: str, overwrite: bool) -> None:
-    """Refuse an ``out`` that would lose data: the input model itself, a folder holding it, or a
-    non-empty folder that no earlier ``nmcompile prune`` wrote (unless ``overwrite``)."""
-    real_out, real_model = os.path.realpath(out), os.path.realpath(model_path)
+def _output_folder(out: str, model_path: str, overwrite: bool) -> tuple[str, Callable[[str], bool]]:
+    """Check ``out`` before any work; ``(folder, keep)``: the folder to write (through a link) and which of
+    its entries the new output keeps. Refused: the input model itself, a folder holding it or inside it, a
+    path that cannot be written, and a non-empty folder that no earlier ``nmcompile prune`` wrote (unless
+    ``overwrite``). What an earlier prune did not write (a user's files) is kept; a folder written into with
+    ``overwrite`` loses its weights files (those :func:`nmcompile.deploy.save_pretrained` replaces) only."""
+    what = "nmcompile prune --out"
+    real_out = folders.resolve(out, what)
+    real_model = os.path.realpath(model_path)
     if real_out == real_model or real_model.startswith(real_out + os.sep) or real_out.startswith(real_model + os.sep):
         raise ValueError(f"--out {out} is (or holds, or is inside) the input model {model_path}: the dense model would "
                          "be overwritten; give another folder")
-    if os.path.isfile(out):
-        raise ValueError(f"--out {out} is a file; give a folder")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite and not os.path.exists(os.path.join(out, RECORD)):
+    record = os.path.join(real_out, RECORD)
+    if os.path.isdir(real_out) and os.listdir(real_out) and not overwrite and not os.path.exists(record):
         raise ValueError(f"--out {out} is a non-empty folder that nmcompile prune did not write; give an empty or new "
-                         "folder, or --overwrite to replace it whole")
+                         "folder, or --overwrite to replace the model in it (its weights files go; other files stay)")
+    folders.check_writable(real_out, what)
+    folders.clean_stale(real_out, what)
+    if os.path.exists(record):
+        written = _written_by_earlier(record)
+        return real_out, (lambda name: name not in written)
+    return real_out, (lambda name: not saving.weight_file(name))  # --overwrite: the model in it is replaced
 
 
-def _replace_folder(tmp: str, out: str) -> None:
-    """``tmp`` becomes ``out``; what ``out`` held before is removed only once ``tmp`` is in place."""
-    old = None
-    if os.path.lexists(out):
-        old = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out)), prefix=f".{os.path.basename(out)}.old-")
-        os.rmdir(old)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _written_by_earlier(record: str) -> set[str]:
+    """The names an earlier prune wrote into the folder of ``record`` (its own record among them)."""
+    try:
+        with open(record) as handle:
+            files = json.load(handle).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    out = os.path.dirname(record)
+    names = {os.path.relpath(os.path.join(out, f) if not os.path.isabs(f) else f, out).split(os.sep)[0]
+             for f in files if isinstance(f, str)}
+    return names | {RECORD}
 
 
 def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, held_out: str | None = None,
@@ -246,7 +260,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: accepted are {', '.join(DTYPES)}")
     _check_numbers(seq_len, samples, batch_size)
-    _output_folder(out, model_path, overwrite)
+    out, keep = _output_folder(out, model_path, overwrite)
     model, encode, (kind, hf_tokenizer) = _load(model_path, tokenizer, dtype)
     ids = _ids(calibration, encode)
     if held_out is None:
@@ -287,9 +301,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
     if not check.ok:
         raise RuntimeError(f"nmcompile prune: the pruned model is not {parsed.pattern}:\n{check}")
     loss_after = _loss(model, evals, batch_size, kind)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.partial-")
+    tmp = folders.staging(out)
     try:
         written = saving.save_pretrained(model, tmp, tokenizer=hf_tokenizer, hf=kind == "hf")
         names = [os.path.relpath(path, tmp) for path in written]
@@ -300,7 +312,7 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
                                out, kind == "hf")
         with open(os.path.join(tmp, RECORD), "w") as handle:
             json.dump({"source": os.path.abspath(model_path), **dataclasses.asdict(summary)}, handle, indent=1)
-        _replace_folder(tmp, out)
+        folders.replace_folder(tmp, out, keep, "nmcompile prune", keep_replaced=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

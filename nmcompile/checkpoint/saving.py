@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 
 import torch
@@ -26,10 +25,11 @@ from ..kernels.cpu24.weight import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import memory
 from ..state.records import root
+from . import folders
 from .layout import METADATA_KEY, OWN_FILES, RECORD_FILE, Layout, layout_of, write_layout
 from .weight_files import stamp_safetensors
 
-__all__ = ["save_pretrained", "check_disk", "PACKED_FILE"]
+__all__ = ["save_pretrained", "check_disk", "weight_file", "PACKED_FILE"]
 
 PACKED_FILE = "model_packed.pt"
 #: files of an earlier save that a new save into the same directory replaces or removes
@@ -150,10 +150,11 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
     Args:
         model: a model finalized with :func:`nmcompile.finalize` (dense weights: unpack a packed-only
             model with :func:`nmcompile.deploy.unpack_weights` first).
-        directory: the output folder (made if missing). Into an existing folder, the files written replace
-            theirs, and the weights files of an earlier save that this one does not write
-            (``model*.safetensors``, its index, ``pytorch_model*.bin``, ``model.pt``, ``model_packed.pt``,
-            ``nmcompile.json``) are removed; other files stay.
+        directory: the output folder (made if missing; a symbolic link is written through). Into an
+            existing folder, the files written replace theirs, and the weights files of an earlier save that
+            this one does not write (``model*.safetensors``, its index, ``pytorch_model*.bin``, ``model.pt``,
+            ``model_packed.pt``, ``nmcompile.json``) are removed; other files stay. The folder changes whole
+            or not at all (:mod:`nmcompile.checkpoint.folders`): an error leaves it as it was.
         tokenizer: written beside the model (its ``save_pretrained``), e.g. for ``nmcompile prune``.
         packed: also write ``model_packed.pt`` with the 2:4 weights packed. It is written only when every
             N:M weight can be packed (2:4, 2-D, reduction dim a multiple of 16), the packed weights, held
@@ -164,8 +165,8 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
         save_kwargs: passed to ``model.save_pretrained`` (e.g. ``max_shard_size``, here by default
             :data:`SHARD_SIZE`, "5GB").
 
-    Raises ``OSError`` before writing anything when the disk cannot take the weights plus their largest
-    file again (:func:`check_disk`).
+    Raises ``OSError`` before writing anything when the folder cannot be written, or when the disk cannot
+    take the weights plus their largest file again (:func:`check_disk`).
 
     Load it back with :func:`nmcompile.deploy.load_pretrained` (``packed=True``: straight into packed
     weights), or with ``from_pretrained`` followed by :func:`nmcompile.deploy.restore`.
@@ -181,16 +182,14 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
     if hf and not hasattr(model, "save_pretrained"):
         raise ValueError(f"save_pretrained(hf=True): {type(model).__name__} is not a Hugging Face model (it has no "
                          "save_pretrained); pass hf=False to write model.pt")
-    directory = os.path.abspath(os.fspath(directory))
+    what = "nmcompile.deploy.save_pretrained"
+    directory = folders.resolve(directory, what)
     if hf:
         save_kwargs.setdefault("max_shard_size", SHARD_SIZE)
+    folders.check_writable(directory, what)
     check_disk(model, directory, hf, shard_size=save_kwargs.get("max_shard_size"))
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(directory)}.nmcompile-")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would become the directory's
+    folders.clean_stale(directory, what)
+    staging = folders.staging(directory)
     try:
         if hf:
             model.save_pretrained(staging, safe_serialization=True, **save_kwargs)
@@ -208,7 +207,8 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
         write_layout(staging, layout)
         _stamp(staging, layout)
         written = sorted(os.listdir(staging))
-        _move_into(staging, directory)
+        # an earlier save's weights files that this one does not write go; every other file stays
+        folders.replace_folder(staging, directory, lambda name: not weight_file(name), what)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return [os.path.join(directory, name) for name in written]
@@ -222,18 +222,6 @@ def _stamp(folder: str, layout: Layout) -> None:
             stamp_safetensors(os.path.join(folder, name), {METADATA_KEY: text})
 
 
-def _move_into(staging: str, directory: str) -> None:
-    if not os.path.exists(directory):
-        os.rename(staging, directory)
-        return
-    if not os.path.isdir(directory):
-        raise ValueError(f"nmcompile.deploy.save_pretrained: {directory} exists and is not a directory")
-    new = set(os.listdir(staging))
-    for name in new:
-        target = os.path.join(directory, name)
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target)
-        os.replace(os.path.join(staging, name), target)
-    for name in os.listdir(directory):
-        if name not in new and any(fnmatch.fnmatchcase(name, p) for p in WEIGHT_FILES):
-            os.remove(os.path.join(directory, name))  # an earlier save's file that this one does not replace
+def weight_file(name: str) -> bool:
+    """Whether ``name`` is a weights file (or record) of a save, which a new save replaces or removes."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in WEIGHT_FILES)

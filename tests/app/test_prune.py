@@ -133,13 +133,82 @@ def test_prune_never_writes_over_its_input_or_a_foreign_folder(tmp_path, capsys,
     assert prune(tmp_path, path, foreign) == 2
     assert "non-empty folder that nmcompile prune did not write" in capsys.readouterr().err
     assert (foreign / "pytorch_model.bin").read_text() == "another model"
-    # --overwrite replaces it whole: nothing of the other model stays beside the new one
+    # --overwrite replaces the model in it: no weights file of the other model stays beside the new one,
+    # and the user's other files do
+    (foreign / "README-mine.md").write_text("notes")
     assert prune(tmp_path, path, foreign, "--overwrite") == 0, capsys.readouterr().err
     assert not (foreign / "pytorch_model.bin").exists() and (foreign / "model.safetensors").exists()
-    # an earlier prune's folder is replaced whole without --overwrite; a stale file does not survive
-    (foreign / "stale.pt").write_text("x")
+    assert (foreign / "README-mine.md").read_text() == "notes"
+    # an earlier prune's folder is replaced without --overwrite, and a file the user put there is kept
+    (foreign / "my-notes.txt").write_text("mine")
+    (foreign / "mine").mkdir()
+    (foreign / "mine" / "eval.json").write_text("{}")
     assert prune(tmp_path, path, foreign) == 0, capsys.readouterr().err
-    assert not (foreign / "stale.pt").exists()
+    assert (foreign / "my-notes.txt").read_text() == "mine" and (foreign / "mine" / "eval.json").read_text() == "{}"
+    assert (foreign / "README-mine.md").read_text() == "notes"
+    assert nmcompile.check(str(foreign)).ok
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("where, message", [
+    ("", "the output folder is an empty path"),
+    ("file/out", "which is a file"),
+    ("file", "is a file; give a folder"),
+    ("/proc/nmcompile-out", "cannot write the output beside /proc/nmcompile-out"),
+    ("dangling", "which is not a folder"),
+])
+def test_prune_checks_out_before_any_work(tmp_path, capsys, monkeypatch, where, message):
+    from nmcompile.app import prune as prune_module
+
+    (tmp_path / "calib.txt").write_text(TEXT)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr(prune_module, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = where if where.startswith("/") or not where else str(tmp_path / where)
+    assert prune(tmp_path, tmp_path / "model", out) == 2
+    assert message in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_prune_refuses_a_folder_it_cannot_write_before_loading(tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+
+    from nmcompile.app import prune as prune_module
+    from nmcompile.checkpoint import folders
+
+    (tmp_path / "calib.txt").write_text(TEXT)
+    monkeypatch.setattr(prune_module, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+
+    def read_only(dir, prefix):  # as a read-only folder answers, also to root
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(folders.tempfile, "mkdtemp", read_only)
+    assert prune(tmp_path, tmp_path / "model", tmp_path / "ro" / "out") == 2
+    err = capsys.readouterr().err
+    assert "cannot write the output beside" in err and "Read-only file system" in err
+
+
+@pytest.mark.slow
+def test_prune_writes_through_a_link_and_cleans_what_a_killed_run_left(tmp_path, capsys, monkeypatch):
+    import os
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tiny_gpt2_dir(tmp_path)
+    disk = tmp_path / "other-disk"
+    (disk / "models").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(disk / "models")
+    dead = 2 ** 22 + 12345  # above the default pid_max: no such process
+    left = disk / f".models.partial-{dead}-abc"
+    left.mkdir()
+    (left / "model.safetensors").write_text("half written")
+    with pytest.warns(UserWarning, match="left beside .* by an interrupted run"):
+        assert prune(tmp_path, path, link) == 0, capsys.readouterr().err
+    assert link.is_symlink() and os.readlink(link) == str(disk / "models")  # the link stays a link
+    assert (disk / "models" / "model.safetensors").exists() and nmcompile.check(str(link)).ok
+    assert not left.exists()
+    assert sorted(p.name for p in disk.iterdir()) == ["models"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 

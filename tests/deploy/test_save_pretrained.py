@@ -201,6 +201,42 @@ def test_a_save_into_an_earlier_save_replaces_it_whole(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # not the staging folder's 0700
 
 
+@pytest.mark.parametrize("fails", ["a file", "the last rename"])
+def test_a_save_that_fails_into_an_earlier_one_leaves_it_untouched(tmp_path, monkeypatch, fails):
+    torch.manual_seed(0)
+    first = tiny_llama(transformers)
+    magnitude_2_4(first)
+    out = tmp_path / "out"
+    save_pretrained(first, out)
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    torch.manual_seed(1)
+    second = tiny_llama(transformers)
+    magnitude_2_4(second)
+    real_replace = os.replace
+
+    def replace(src, dst):  # a file that cannot be replaced, or the folder's own rename refused
+        if (fails == "a file" and os.path.basename(dst) == "nmcompile.json") or \
+                (fails == "the last rename" and os.fspath(dst) == os.fspath(out) and "partial" in os.fspath(src)):
+            raise PermissionError(13, "Permission denied", dst)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    try:
+        save_pretrained(second, out)
+    except PermissionError:
+        pass
+    monkeypatch.undo()
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    if fails == "a file":  # no file is replaced one by one: the save went through whole
+        assert after.keys() == before.keys() and after["notes.txt"] == b"mine"
+        loaded = nmcompile.deploy.load_pretrained(out)
+        assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, second.model.layers[0].mlp.down_proj.weight)
+    else:  # the earlier save, whole: A's weights beside A's packed file and record
+        assert after == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_stamping_metadata_keeps_every_tensor(tmp_path):
     from safetensors.torch import load_file, save_file
 
