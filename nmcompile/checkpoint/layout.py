@@ -1,6 +1,6 @@
 """The record of a deployed model's N:M layout, written next to its weights: which weight is N:M along which dim.
 
-A finalized model knows its layout (a :class:`~nmcompile.deploy.finalize.Deployed` record in each owning
+A finalized model knows its layout (a :class:`~nmcompile.state.deployed.Deployed` record in each owning
 module), but a weights file does not: loaded back, it is a dense model, and a compliance check of the file
 cannot tell a GPT-2 ``Conv1D`` weight (2:4 along dim 0) from a ``Linear`` one (along dim 1).
 :class:`Layout` is that knowledge as data. :func:`nmcompile.deploy.save_pretrained` and ``nmcompile prune``

@@ -49,7 +49,7 @@ class PassContext:
     projected: dict[str, tuple[fx.Node, fx.Node | None, tuple[fx.Node, ...]]] = field(default_factory=dict)
     # fqn -> the recipe state placeholders, in the recipe's state_names order
     state_nodes: dict[str, tuple[fx.Node, ...]] = field(default_factory=dict)
-    # training GEMM kernels: the option, and per weight the decision (a kernels.train_dispatch.TrainKernels)
+    # training GEMM kernels: the option, and per weight the decision (a kernels.dispatch.train.TrainKernels)
     train_kernel: str = "auto"  # auto, dense, cusparselt, cutlass or reference
     train_kernels: dict[str, object] = field(default_factory=dict)
     extra_outputs: int = 0  # graph outputs appended after Dynamo's (saved DGRAD weights), dropped at run time

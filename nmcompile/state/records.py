@@ -1,7 +1,7 @@
 """Where declarations live: a table on each owning module, keyed by parameter name.
 
 A recipe record (:class:`WeightAnnotation`) or a deploy record
-(:class:`nmcompile.deploy.finalize.Deployed`) belongs to the module that owns the weight, under the
+(:class:`nmcompile.state.deployed.Deployed`) belongs to the module that owns the weight, under the
 parameter's attribute name, never to the ``nn.Parameter`` object. Whatever replaces parameter
 objects keeps the declaration by construction: FSDP2's ``fully_shard`` (before or after
 ``annotate``), ``to_empty`` after meta-device construction, ``load_state_dict(assign=True)``,
@@ -115,7 +115,7 @@ class WeightAnnotation:
     consumed: bool = field(default=False, compare=False)  # an nmsparse graph has run with it
     # the step driver, held while the record lives (see nmcompile.training.step_driver)
     driver: object = field(default=None, compare=False, repr=False)
-    # the kernels of its training GEMMs in the graph that last ran it (a kernels.train_dispatch.TrainKernels,
+    # the kernels of its training GEMMs in the graph that last ran it (a kernels.dispatch.train.TrainKernels,
     # set by the backend; read by nmcompile.training.train_report)
     kernels: object = field(default=None, compare=False, repr=False)
 
@@ -171,7 +171,7 @@ def annotation_of(module: nn.Module, param_name: str) -> WeightAnnotation | None
 
 
 def deployed_of(module: nn.Module, param_name: str):
-    """The weight's :class:`nmcompile.deploy.finalize.Deployed` record, or None."""
+    """The weight's :class:`nmcompile.state.deployed.Deployed` record, or None."""
     return get(module, DEPLOYED, param_name)
 
 

@@ -9,7 +9,7 @@ token takes the dense GEMM), on a CPU (:func:`nmcompile.kernels.dispatch.cpu.mea
 GEMM). The decision is recorded on the parameter (:func:`nmcompile.deploy_report` reads it).
 
 The rules that need neither weights nor timing (:func:`kernel_unavailable`) and the CUDA timer
-(:func:`time_cuda`) are shared with the training decisions of :mod:`.train_dispatch`.
+(:func:`time_cuda`) are shared with the training decisions of :mod:`.train`.
 """
 
 from __future__ import annotations
