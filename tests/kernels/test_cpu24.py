@@ -284,3 +284,17 @@ def test_errors_name_the_problem():
     if missing:
         with pytest.raises(RuntimeError, match=f"cannot run isa '{missing[-1]}'"):
             torch.ops.nmsparse.cpu24_linear(x, values, bits, None, None, 16, -1, missing[-1])
+
+
+def test_the_build_is_named_for_its_torch_installation_and_compiler(monkeypatch, tmp_path):
+    """Two environments (another torch installation, another compiler) build beside each other under
+    other names: one name built by both was rebuilt by each for the other in turn."""
+    here = cpu24._library_name()
+    assert here == cpu24._library_name()  # the same environment: the same name, no rebuild
+    other_torch = tmp_path / "venv2" / "torch"
+    other_torch.mkdir(parents=True)
+    monkeypatch.setattr(cpu24.torch, "__file__", str(other_torch / "__init__.py"))
+    assert cpu24._library_name() != here
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "no-such-compiler-nmcompile")
+    assert cpu24._library_name() != here

@@ -34,6 +34,7 @@ import hashlib
 import os
 import platform
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,19 +66,37 @@ class Status:
     build_seconds: float = 0.0  # time spent building or loading in this process
 
 
+def _compiler() -> str:
+    """The C++ compiler the build runs (``CXX``, else ``c++``): its resolved path and first line of
+    ``--version``, or its name where it cannot be asked."""
+    name = os.environ.get("CXX", "c++")
+    path = shutil.which(name)
+    if path is None:
+        return name
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return f"{os.path.realpath(path)} {version.splitlines()[0] if version else ''}"
+
+
 def _library_name() -> str:
     digest = hashlib.sha256()
     for path in sorted(SOURCES.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
-    digest.update(f"{torch.__version__} {FLAGS}".encode())
+    # the torch installation, not only its version: its headers' path is part of the build's arguments,
+    # so two environments building one name rebuilt it for each other in turn
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
+    digest.update(f"{torch.__version__} {torch_dir} {FLAGS} {_compiler()}".encode())
     return f"nmcompile_cpu24_{digest.hexdigest()[:12]}"
 
 
 @functools.lru_cache(maxsize=1)
 def library_name() -> str:
-    """The native library's name: a digest of its sources, the torch version and the flags (a change
-    of any of them is a new build, and a new key for measured decisions)."""
+    """The native library's name, which is also its build folder's: a digest of its sources, the torch
+    installation (version and path), the flags and the compiler. A change of any of them is a new build
+    beside the others (never a rebuild of another environment's) and a new key for measured decisions."""
     return _library_name()
 
 
