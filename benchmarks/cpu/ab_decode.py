@@ -16,6 +16,7 @@ only first, with ``nmcompile.deploy.pack_weights``); dense: the same weights com
 
     python benchmarks/cpu/ab_decode.py --base a9d1e36                  # 8 layers, 1024 wide, fp32, 32 tokens
     python benchmarks/cpu/ab_decode.py --base HEAD~1 --dtype bf16 --rounds 6
+    python benchmarks/cpu/ab_decode.py --base a9d1e36 --head 2ef199d      # two commits (bisecting)
 """
 
 from __future__ import annotations
@@ -61,7 +62,13 @@ kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad
 with torch.no_grad():
     out = {name: m.generate(ids, **kwargs) for name, m in (("dense", dense), ("2:4", sparse))}  # compiles
     same = bool(torch.equal(out["dense"], out["2:4"]))
-    print(json.dumps({"ready": True, "same_tokens": same, "threads": torch.get_num_threads()}), flush=True)
+    ranges = {}
+    for decision in nmcompile.deploy_report(sparse).values():
+        kernel = getattr(decision, "kernel", str(decision))
+        key = f"{kernel} up to {getattr(decision, 'max_tokens', '?')}" if kernel == "cpu24" else kernel
+        ranges[key] = ranges.get(key, 0) + 1
+    print(json.dumps({"ready": True, "same_tokens": same, "threads": torch.get_num_threads(), "decisions": ranges}),
+          flush=True)
     for line in sys.stdin:
         times = {"dense": [], "2:4": []}
         for i in range(reps):
@@ -92,7 +99,7 @@ def start(name: str, tree: Path, args, cache: Path) -> subprocess.Popen:
     if not ready.get("ready"):
         raise SystemExit(f"{name} ({tree}): the child did not start; run it alone to see why")
     print(f"{name}: {tree}, {ready['threads']} threads, 2:4 gives the same greedy tokens as dense: "
-          f"{ready['same_tokens']}", flush=True)
+          f"{ready['same_tokens']}; layers: {ready['decisions']}", flush=True)
     return child
 
 
@@ -105,6 +112,7 @@ def ask(child: subprocess.Popen) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the commit to compare the working tree with")
+    parser.add_argument("--head", help="another commit in place of the working tree (bisecting between two)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3, help="generate calls per model and round (median)")
     parser.add_argument("--layers", type=int, default=8)
@@ -120,9 +128,9 @@ def main() -> int:
             parser.error(f"--{flag} must be at least 1")
     print(json.dumps(machine()), flush=True)
     caches = Path(tempfile.mkdtemp(prefix="nmcompile-ab-caches-"))
-    sides = {"base": worktree(args.base), "tree": ROOT}
-    children = {name: start(f"{name} {args.base if name == 'base' else 'working tree'}", tree, args, caches / name)
-                for name, tree in sides.items()}
+    sides = {"base": worktree(args.base), "tree": worktree(args.head) if args.head else ROOT}
+    label = {"base": args.base, "tree": args.head or "working tree"}
+    children = {name: start(f"{name} {label[name]}", tree, args, caches / name) for name, tree in sides.items()}
     rows = []
     try:
         for r in range(args.rounds):
@@ -140,10 +148,10 @@ def main() -> int:
                   for key in ("dense s", "2:4 s", "speedup")} for name in sides}
     print(f"\n| code | dense s | 2:4 s | speedup |\n| --- | --- | --- | --- |")
     for name in sides:
-        print(f"| {args.base if name == 'base' else 'working tree'} | {med[name]['dense s']:.3f} | "
+        print(f"| {label[name]} | {med[name]['dense s']:.3f} | "
               f"{med[name]['2:4 s']:.3f} | {med[name]['speedup']:.2f}x |")
     ratio = med["tree"]["2:4 s"] / med["base"]["2:4 s"]
-    print(f"\nworking tree 2:4 time / {args.base} 2:4 time: {ratio:.3f} (at most 1.05 to claim no regression)")
+    print(f"\n{label['tree']} 2:4 time / {args.base} 2:4 time: {ratio:.3f} (at most 1.05 to claim no regression)")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "medians": med, "ratio": ratio}, indent=1))
     return 0
