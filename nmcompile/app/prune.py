@@ -35,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -74,6 +75,9 @@ class PruneSummary:
     hf: bool = True  # a Hugging Face directory (else model.pt)
 
 
+#: the bars of finalize's one-shot phases (``progress(0, total, phase)`` starts each)
+PHASES = {"calibration batches": "one-pass calibration, batches", "solving weights": "solving, weights",
+          "inputs caught": "sequential one-shot, blocks"}
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: the folder's record of a prune (also how a later prune knows it may replace the folder)
 RECORD = "nmcompile-prune.json"
@@ -162,9 +166,10 @@ def _vocab(model) -> int | None:
     return getattr(out, "out_features", None) or getattr(getattr(model, "config", None), "vocab_size", None)
 
 
-def _loss(model, windows, batch_size: int, kind: str = "pt") -> float:
+def _loss(model, windows, batch_size: int, kind: str = "pt", bar: Progress | None = None) -> float:
     """Mean next-token loss over ``windows``, in the dtype calibration computes in (one module raised
-    at a time where the model's own dtype is slow on this CPU: :mod:`nmcompile.oneshot.compute_dtype`)."""
+    at a time where the model's own dtype is slow on this CPU: :mod:`nmcompile.oneshot.compute_dtype`);
+    ``bar`` counts the windows done."""
     total, tokens = 0.0, 0
     model.eval()
     vocab = _vocab(model) or 1
@@ -177,6 +182,10 @@ def _loss(model, windows, batch_size: int, kind: str = "pt") -> float:
                 total += float(F.cross_entropy(row[:-1], ids[1:], reduction="sum"))
             del logits
             tokens += batch[:, 1:].numel()
+            if bar is not None:
+                bar.update(min(i + batch_size, len(windows)))
+    if bar is not None:
+        bar.close()
     return total / max(tokens, 1)
 
 
@@ -261,6 +270,8 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
         raise ValueError(f"--dtype {dtype}: accepted are {', '.join(DTYPES)}")
     _check_numbers(seq_len, samples, batch_size)
     out, keep = _output_folder(out, model_path, overwrite)
+    if progress:
+        print(f"nmcompile prune: loading {model_path}", file=sys.stderr, flush=True)
     model, encode, (kind, hf_tokenizer) = _load(model_path, tokenizer, dtype)
     ids = _ids(calibration, encode)
     if held_out is None:
@@ -279,28 +290,33 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
                          "FILE or more calibration text")
     saving.check_disk(model, out, hf=kind == "hf", what="nmcompile prune")  # before the calibration, not after it
     model.eval()
-    loss_before = _loss(model, evals, batch_size, kind)
+    loss_before = _loss(model, evals, batch_size, kind, Progress(len(evals), "held-out loss, dense", enabled=progress))
     report = annotate(model, parsed, include=include, exclude=list(exclude) if exclude else None)
     if not report.annotated:
         raise ValueError(f"no weight of {model_path} takes {parsed}: {report}")
     batches = [_inputs(torch.stack(calib[i:i + batch_size]), kind) for i in range(0, len(calib), batch_size)]
     bar: list[Progress] = []
 
-    def on_block(done: int, total: int, note: str) -> None:
-        if not bar:
-            bar.append(Progress(total, "sequential one-shot, blocks", enabled=progress))
-        bar[0].update(done, note)
+    def on_step(done: int, total: int, note: str) -> None:
+        if done == 0:  # a phase starts: its own bar
+            if bar:
+                bar.pop().close()
+            bar.append(Progress(total, PHASES.get(note, note), enabled=progress))
+        if bar:
+            bar[0].update(done, "" if done == 0 else note)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*recipe state for")
         finalized = finalize(model, calibration=batches, sequential=sequential,
-                             calibration_options={"inner": inner} if inner else None, progress=on_block)
+                             calibration_options={"inner": inner} if inner else None, progress=on_step)
     if bar:
-        bar[0].close()
+        bar.pop().close()
     check = check_nm(model)
     if not check.ok:
         raise RuntimeError(f"nmcompile prune: the pruned model is not {parsed.pattern}:\n{check}")
-    loss_after = _loss(model, evals, batch_size, kind)
+    loss_after = _loss(model, evals, batch_size, kind, Progress(len(evals), "held-out loss, pruned", enabled=progress))
+    if progress:
+        print(f"nmcompile prune: saving to {out}", file=sys.stderr, flush=True)
     tmp = folders.staging(out)
     try:
         written = saving.save_pretrained(model, tmp, tokenizer=hf_tokenizer, hf=kind == "hf")

@@ -100,7 +100,9 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
         calibration_options: ``nmsparse`` backend options of the graphs finalize compiles for
             calibration batches (default inner compiler: ``aot_eager`` for one pass, Inductor for each
             block of a sequential solve, which updates the statistics in place).
-        progress: ``progress(done, total, note)``, called after each block of a sequential solve.
+        progress: ``progress(done, total, note)``: each phase of a one-shot solve (the calibration batches of
+            one pass, then the weights solved; or the blocks of a sequential solve) starts with a call with
+            ``done == 0`` whose ``note`` names it, then one call per step.
         compute_dtype: the dtype calibration batches run in (each block of a sequential solve, else the
             whole model, raised while it runs and written back in its own dtype after). ``None``: float32
             for a bf16/fp16 model on a CPU without native arithmetic for it (AVX2), else the model's

@@ -49,9 +49,13 @@ def solve_one_shot(model: nn.Module, calibration, sequential: bool | None, repor
     def run_batches():
         # aot_eager by default: no Inductor compile of the whole model for a one-time run
         compiled = torch.compile(model, backend="nmsparse", options={"inner": "aot_eager", **(options or {})})
+        if progress is not None:
+            progress(0, len(batches), "calibration batches")
         with torch.no_grad(), raised(model, compute):
-            for batch in batches:
+            for k, batch in enumerate(batches):
                 cached.run_batch(compiled, to_dtype(batch, compute))
+                if progress is not None:
+                    progress(k + 1, len(batches), f"batch {k + 1}")
 
     run = calibration if batches is None else run_batches
     declared_now = False
@@ -92,7 +96,7 @@ def solve_one_shot(model: nn.Module, calibration, sequential: bool | None, repor
     else:
         if run is not None and not declared_now:  # (that run gathered the statistics already)
             run()
-        solved = oneshot.solve(model)
+        solved = oneshot.solve(model, progress)
     for name, result in solved.items():
         if result.notes:
             report.fallbacks[name] = result.notes

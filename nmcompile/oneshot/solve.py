@@ -145,7 +145,7 @@ def _sum_over_ranks(model: nn.Module, names=None) -> None:
             torch.distributed.all_reduce(count)
 
 
-def solve(model: nn.Module) -> dict[str, Solved]:
+def solve(model: nn.Module, progress=None) -> dict[str, Solved]:
     """Every calibrated weight solved from its statistics (the model is not changed)."""
     _sum_over_ranks(model)
     items = calibrated(model)
@@ -154,7 +154,14 @@ def solve(model: nn.Module) -> dict[str, Solved]:
             f"nmcompile.finalize: no calibration batch reached the {len(items)} weights declared with "
             f"{items[0][2].recipe} (their token counts are 0); {_hint(items[0][2].recipe)}"
         )
-    return {name: solve_one(name, places[0][1], places[0][2], ann) for name, places, ann in items}
+    if progress is not None:
+        progress(0, len(items), "solving weights")
+    solved = {}
+    for k, (name, places, ann) in enumerate(items):
+        solved[name] = solve_one(name, places[0][1], places[0][2], ann)
+        if progress is not None:
+            progress(k + 1, len(items), name)
+    return solved
 
 
 def blocks(names: list[str]) -> list[list[str]]:

@@ -296,3 +296,22 @@ def test_prune_names_bad_calibration_files(tmp_path, capsys, monkeypatch):
                  "--seq-len", "32", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "no tokenizer could be loaded" in err and "--tokenizer DIR" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form, bars", [
+    ("one-pass", ["one-pass calibration, batches", "solving, weights"]),
+    ("sequential", ["sequential one-shot, blocks"]),
+])
+def test_prune_shows_each_phase(tmp_path, capsys, monkeypatch, form, bars):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tiny_gpt2_dir(tmp_path)
+    extra = ["--sequential"] if form == "sequential" else []
+    code = main(["prune", str(path), "--recipe", "wanda:2:4", "--calibration", str(tmp_path / "calib.txt"), "--out",
+                 str(tmp_path / "out"), "--seq-len", "32", "--samples", "4", *extra])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    phases = ["nmcompile prune: loading", "held-out loss, dense", *bars, "held-out loss, pruned", "nmcompile prune: saving to"]
+    where = [err.find(phase) for phase in phases]
+    assert -1 not in where and where == sorted(where), (phases, err)
+    assert "eta" in err
