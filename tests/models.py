@@ -290,3 +290,115 @@ def packed_test_model(dtype=torch.float32):
     nmcompile.annotate(model, "sr_ste:2:4", exclude=["3.*"])
     nmcompile.finalize(model)
     return model.to(dtype).eval()
+
+
+# --------------------------------------------------------------------------------------------
+# mixtures of experts as Hugging Face models: transformers' Mixtral (fused experts) and a
+# hand-written one whose experts are separate nn.Linear modules
+# --------------------------------------------------------------------------------------------
+
+
+def tiny_mixtral_config(transformers, vocab=96, layers=2):
+    """A Mixtral config: transformers 5 holds each layer's experts fused (``mlp.experts.gate_up_proj``
+    [4, 64, 32], ``mlp.experts.down_proj`` [4, 32, 32]) and writes them one Linear weight per expert."""
+    return transformers.MixtralConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+    )
+
+
+_PER_EXPERT = {}
+
+
+def _per_expert_config_init(self, vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, **kwargs):
+    self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+    self.num_hidden_layers, self.num_experts = num_hidden_layers, num_experts
+    self.num_experts_per_tok, self.max_position_embeddings = num_experts_per_tok, max_position_embeddings
+    super(type(self), self).__init__(**kwargs)
+
+
+def per_expert_moe_classes(transformers, model_type: str = "nmcompile_per_expert_moe"):
+    """``(config class, model class)`` of a small causal LM whose experts are separate ``nn.Linear`` modules
+    (``layers.{i}.experts.{e}.w1/w2/w3``, as Hugging Face MoE models were before transformers 5 fused
+    them), registered under ``model_type`` with ``AutoConfig`` and ``AutoModelForCausalLM``."""
+    if model_type in _PER_EXPERT:
+        return _PER_EXPERT[model_type]
+
+    class PerExpertMoeConfig(transformers.PretrainedConfig):
+        pass
+
+    PerExpertMoeConfig.model_type = model_type
+    PerExpertMoeConfig.__init__ = _per_expert_config_init
+
+    class Expert(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        """Causal mixing (a running mean of a projection) and a top-k mixture of experts."""
+
+        def __init__(self, config):
+            super().__init__()
+            self.norm = nn.LayerNorm(config.hidden_size)
+            self.mix = nn.Linear(config.hidden_size, config.hidden_size)
+            self.k = config.num_experts_per_tok
+            self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router: kept dense
+            self.experts = nn.ModuleList(Expert(config) for _ in range(config.num_experts))
+
+        def forward(self, x):
+            steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype, device=x.device).view(1, -1, 1)
+            x = x + self.mix(self.norm(x)).cumsum(1) / steps
+            top, chosen = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+            out = x
+            for e, expert in enumerate(self.experts):
+                out = out + (top * (chosen == e)).sum(-1, keepdim=True) * expert(x)
+            return out
+
+    class PerExpertMoeForCausalLM(transformers.PreTrainedModel, transformers.GenerationMixin):
+        config_class = PerExpertMoeConfig
+        base_model_prefix = "model"
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def forward(self, input_ids=None, labels=None, use_cache=None, **kwargs):
+            x = self.embed(input_ids)
+            for layer in self.layers:
+                x = layer(x)
+            logits = self.lm_head(x)
+            loss = None
+            if labels is not None:
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    transformers.AutoConfig.register(model_type, PerExpertMoeConfig, exist_ok=True)
+    transformers.AutoModelForCausalLM.register(PerExpertMoeConfig, PerExpertMoeForCausalLM, exist_ok=True)
+    _PER_EXPERT[model_type] = PerExpertMoeConfig, PerExpertMoeForCausalLM
+    return _PER_EXPERT[model_type]
+
+
+def tiny_moe(transformers, kind: str, vocab=96, layers=2):
+    """A small mixture of experts with random weights: ``"mixtral"`` (transformers' Mixtral, fused experts)
+    or ``"per_expert"`` (:func:`per_expert_moe_classes`)."""
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(tiny_mixtral_config(transformers, vocab, layers))
+    else:
+        config_class, model_class = per_expert_moe_classes(transformers)
+        model = model_class(config_class(vocab_size=vocab, num_hidden_layers=layers))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.1)  # transformers leaves fused expert weights uninitialised outside from_pretrained
+    return model.eval()

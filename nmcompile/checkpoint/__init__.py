@@ -8,6 +8,8 @@ packed state dicts and weights, and the checks of files and directories.
 - :mod:`.streaming` / :mod:`.weight_files` / :mod:`.state_dicts`: reading safetensors a run of rows at a time,
   weights files, and state dicts nested in checkpoints;
 - :mod:`.file_checks` / :mod:`.hints`: N:M checks of files and directories, and what to check instead.
+- :mod:`.conversions`: the weights transformers writes under other names and shapes (fused MoE experts,
+  written one Linear weight per expert), and how they are built back.
 
 Users reach these through :mod:`nmcompile.deploy`, which re-exports them.
 """

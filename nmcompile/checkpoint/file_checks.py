@@ -3,9 +3,10 @@
 A directory written by :func:`nmcompile.deploy.save_pretrained` or ``nmcompile prune`` (or a weights file in
 it, or a safetensors file that carries the record in its metadata) is checked weight by weight along each
 weight's recorded dim, with its recorded pattern; the weights the record keeps dense are listed as not
-checked, with why. Without a record, every >= 2-D tensor is checked along ``dim`` (default 1), and a failed
-check gets a hint (:mod:`nmcompile.checkpoint.hints`) that fits the file. Safetensors files are read one tensor
-at a time.
+checked, with why; a weight transformers wrote in parts under other names (a Mixtral's fused experts, one
+Linear weight per expert) is checked part by part, as the record's ``saved`` names them. Without a record,
+every >= 2-D tensor is checked along ``dim`` (default 1), and a failed check gets a hint
+(:mod:`nmcompile.checkpoint.hints`) that fits the file. Safetensors files are read one tensor at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..kernels.format24 import META_SUFFIX, packed_dims, unpack_state_dict
 from ..pattern import NMPattern
 from ..masks.compliance import CheckReport, check_one, selects
 from .hints import suggestion
+from .conversions import part_dim
 from .layout import Layout, read_layout
 from .state_dicts import find_state_dict, load_state_dict
 from .weight_files import tensor_sources, weight_files
@@ -34,22 +36,47 @@ PACKED_FILE = "model_packed.pt"
 def _recorded(report: CheckReport, items: Iterable[tuple[str, Callable[[], torch.Tensor]]], layout: Layout,
               pattern: NMPattern | None, dim: int | None, only, complete: bool, where: str) -> None:
     seen = set()
+    parts = layout.saved_as()  # file tensor -> the model's weight it is (part of), where transformers renamed it
     for name, load in items:
-        canonical = layout.canonical(name)
+        whole = parts.get(name)
+        canonical = layout.canonical(whole or name)
         entry = layout.weights.get(canonical)
         if entry is None:
             if selects(report, name, only):
                 why = layout.dense.get(canonical) or (f"tied to {canonical}" if name in layout.tied else None)
-                report.skipped[name] = (f"dense in the layout record: {why}" if why else
+                saved = f" ({whole} as the model holds it)" if whole else ""
+                report.skipped[name] = (f"dense in the layout record{saved}: {why}" if why else
                                         "not in the layout record (a buffer, or a weight added after the save)")
             continue
-        seen.add(canonical)
-        if selects(report, name, only):
-            check_one(report, name, load(), pattern or entry.pattern, entry.dim if dim is None else dim)
-    absent = [n for n in layout.weights if n not in seen]
+        seen.add(name if whole else canonical)
+        if not selects(report, name, only):
+            continue
+        tensor = load()
+        along = entry.dim if dim is None else dim
+        if whole is not None and dim is None:  # a file tensor of a weight transformers wrote in parts
+            along = part_dim(entry.shape, entry.dim, tuple(tensor.shape))
+            if along is None:
+                report.skipped[name] = (
+                    f"part of {whole} ({entry.pattern} along dim {entry.dim} of {list(entry.shape)}), written by "
+                    f"transformers as {list(tensor.shape)}, which does not keep that dim whole; "
+                    "nmcompile.deploy.load_pretrained(DIR) checks the weight as the model holds it")
+                continue
+        check_one(report, name, tensor, pattern or entry.pattern, along)
+    absent = []
+    for name in layout.weights:
+        files = layout.saved.get(name)
+        lost = [f for f in files if f not in seen] if files else ([] if name in seen else [name])
+        if lost:
+            absent.append(name if lost == [name] else f"{name} (written as {', '.join(lost[:3])}"
+                          f"{' ...' if len(lost) > 3 else ''})")
     if complete and absent:
+        renamed = "" if layout.saved else (
+            "; or transformers wrote them under other names (a Mixtral's fused experts, written one Linear weight "
+            "per expert) before nmcompile recorded those: load it with nmcompile.deploy.load_pretrained(DIR), which "
+            "checks each weight, and save it again with nmcompile.deploy.save_pretrained")
         raise ValueError(f"{where}: the layout record names N:M weights that no weights file holds: "
-                         f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''} (an incomplete or mixed directory?)")
+                         f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''} (an incomplete or mixed "
+                         f"directory?{renamed})")
 
 
 def _unrecorded(report: CheckReport, items: Iterable[tuple[str, Callable[[], torch.Tensor]]],

@@ -19,6 +19,11 @@ write it as ``nmcompile.json`` in the model's directory (and into each safetenso
 ``tied`` maps each other name of a shared weight to the name the record and the weights files use;
 ``dense`` names the other >= 2-D weights with why they are dense; ``packed`` names the packed 2:4 file
 (:func:`nmcompile.deploy.pack_state_dict`), or says why none was written (``{"file": null, "why": ...}``).
+``saved`` (only where there are such weights) names the file tensors of each weight that transformers writes
+under other names than the model holds it (:mod:`nmcompile.checkpoint.conversions`), e.g. a Mixtral's fused
+experts, written one ``Linear`` weight per expert::
+
+    "saved": {"model.layers.0.mlp.experts.down_proj": ["model.layers.0.block_sparse_moe.experts.0.w2.weight", ...]}
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class Layout:
     tied: dict[str, str] = field(default_factory=dict)  # other name -> the name weights files hold it under
     dense: dict[str, str] = field(default_factory=dict)  # name -> why it is dense
     packed: dict | None = None  # {"file": name} or {"file": None, "why": ...}; None: not said
+    saved: dict[str, list[str]] = field(default_factory=dict)  # name -> the file tensors transformers wrote it as
     nmcompile: str = __version__  # the version that wrote it
 
     def canonical(self, name: str) -> str:
@@ -82,7 +88,13 @@ class Layout:
         }
         if self.packed is not None:
             out["packed"] = dict(self.packed)
+        if self.saved:
+            out["saved"] = {name: list(files) for name, files in self.saved.items()}
         return out
+
+    def saved_as(self) -> dict[str, str]:
+        """``{file tensor name: the model's name of the weight it is (part of)}`` for the weights in ``saved``."""
+        return {part: name for name, parts in self.saved.items() for part in parts}
 
     @classmethod
     def from_json(cls, data, where: str) -> Layout:
@@ -115,6 +127,11 @@ class Layout:
             setattr(layout, key, dict(value))
         if isinstance(data.get("packed"), dict):
             layout.packed = dict(data["packed"])
+        saved = data.get("saved", {})
+        if not isinstance(saved, dict) or not all(isinstance(v, list) and all(isinstance(f, str) for f in v)
+                                                  for v in saved.values()):
+            raise bad("'saved' is not a mapping of names to lists of names")
+        layout.saved = {name: list(files) for name, files in saved.items()}
         return layout
 
 

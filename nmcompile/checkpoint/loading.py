@@ -6,6 +6,10 @@ Packed (``packed=True``), the model is built with its parameters on the meta dev
 read from the safetensors files a run of rows at a time (:mod:`nmcompile.checkpoint.streaming`): the N:M ones
 straight into packed 2:4 CPU weights (checked on the way in), the others dense. No dense copy of the
 model, nor of any packed weight, is ever resident: the load peaks at the packed model plus one chunk.
+The weights that transformers writes under other names or shapes (a Mixtral's fused experts, written one
+Linear weight per expert: :mod:`nmcompile.checkpoint.conversions`) are built from their file tensors as
+``from_pretrained`` builds them, checked, and packed where the kernel takes them (one such weight is dense
+meanwhile); fused experts, 3-D, are held dense and named in a warning.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import torch
 from torch import nn
 
 from ..kernels import cpu24
+from ..kernels.cpu24.weight import PackedLinearWeight
 from ..kernels.dispatch import Decision
 from ..pattern import NMPattern
 from ..state import records
 from ..state.records import DEPLOYED, owners
+from . import conversions
 from .layout import Layout
 from .packed_weights import is_trainable, set_packed, token_range
 from .restore import layout_from, restore
@@ -146,16 +152,19 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
         known.update(names)
         key = next((n for n in names if n in sources), None)
         if key is None:
-            missing.append(name)
+            missing.append((name, names, places))
         else:
             plan.append((key, names, places))
             loaded.update(names)
+    converted = []
+    if missing:  # held by the files under other names or shapes (transformers' conversions: fused experts)
+        converted, missing = _converted(model, sources, missing, plan, loaded)
     unknown = [n for n in layout.weights if n not in known]
     if missing or unknown:  # said before anything is read
         raise ValueError(
             "nmcompile.deploy.load_pretrained: "
-            + (f"parameters of {type(model).__name__} that no weights file holds: {', '.join(missing[:10])}; "
-               if missing else "")
+            + (f"parameters of {type(model).__name__} that no weights file holds: "
+               f"{', '.join(name for name, _, _ in missing[:10])}; " if missing else "")
             + (f"the layout record names weights the model does not have: {', '.join(unknown[:10])}; " if unknown else "")
             + "the directory was written for another model, or is incomplete"
         )
@@ -181,16 +190,7 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             weight, bad, total = read_packed(source, key, dtype, entry.dim in (0, -2), budget)
             if bad:
                 _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} keep more than 2 of 4")
-            bias = getattr(places[0][1], "bias", None)
-            weight.max_tokens, ratios, how = token_range(*weight.weight_shape, weight.dtype, isinstance(bias, torch.Tensor),
-                                                    weight.isa, measure)
-            decision = Decision("cpu24", "packed only, loaded" + ("" if measure else " (every token count, not timed)")
-                                + (f"; {how}" if how else ""),
-                                max_tokens=weight.max_tokens, isa=weight.isa, ratios=ratios,
-                                speedup=ratios[0][1] if ratios else None)
-            trainable = is_trainable(places[0][1]._parameters[places[0][2]])
-            for _, module, pname in places:
-                set_packed(module, pname, weight, decision, trainable)
+            _hold_packed(weight, places, measure, "packed only, loaded")
         else:
             tensor = read_dense(source, key, dtype, budget)
             bad, total = _violations(tensor, entry)
@@ -203,10 +203,93 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             dense_recorded.append(f"{key} ({why})")
         for _, module, pname in places:
             records.put(module, DEPLOYED, pname, record)
+    for group, targets in converted:
+        _load_converted(group, targets, layout, sources, dtype, budget, measure, dense_recorded)
     _load_buffers(model, sources, loaded)
     if dense_recorded:
         warnings.warn("nmcompile.deploy.load_pretrained(packed=True): these N:M weights are held dense, the 2:4 CPU "
                       "kernel does not take them: " + ", ".join(dense_recorded), stacklevel=3)
+
+
+def _hold_packed(weight, places, measure: bool, how_loaded: str) -> None:
+    """``weight`` (packed) in the places of the meta parameter it replaces, with its token range."""
+    bias = getattr(places[0][1], "bias", None)
+    weight.max_tokens, ratios, how = token_range(*weight.weight_shape, weight.dtype, isinstance(bias, torch.Tensor),
+                                                 weight.isa, measure)
+    decision = Decision("cpu24", how_loaded + ("" if measure else " (every token count, not timed)")
+                        + (f"; {how}" if how else ""),
+                        max_tokens=weight.max_tokens, isa=weight.isa, ratios=ratios,
+                        speedup=ratios[0][1] if ratios else None)
+    trainable = is_trainable(places[0][1]._parameters[places[0][2]])
+    for _, module, pname in places:
+        set_packed(module, pname, weight, decision, trainable)
+
+
+def _converted(model: nn.Module, sources: dict, missing: list, plan: list, loaded: set) -> tuple[list, list]:
+    """``(converted, still missing)``: the parameters in ``missing`` (``(name, names, places)``) that the files
+    hold under other names or shapes, as transformers' conversions say (:mod:`nmcompile.checkpoint.conversions`).
+    A renamed one joins ``plan`` under its file name (read as any other); the others come back as
+    ``[(group, [(name, names, places), ...])]``, built from their file tensors when they are loaded."""
+    where = {n: item for item in missing for n in item[1]}
+    shapes = {key: (source.shape(key), source.dtype(key)) for key, source in sources.items() if key not in loaded}
+    converted, found = [], set()
+    for group in conversions.groups(model, shapes):
+        if group.problem:
+            warnings.warn(f"nmcompile.deploy.load_pretrained: {group.problem}; its tensors are left unused",
+                          stacklevel=4)
+        targets = [where[name] for name in group.targets if name in where and where[name][0] not in found]
+        if not targets:
+            continue
+        found.update(name for name, _, _ in targets)
+        loaded.update(group.sources)
+        for name, names, _ in targets:
+            loaded.update(names)
+        if group.renaming:
+            _, names, places = targets[0]
+            plan.append((group.sources[0], names, places))
+        else:
+            converted.append((group, targets))
+    return converted, [item for item in missing if item[0] not in found]
+
+
+def _load_converted(group, targets: list, layout: Layout, sources: dict, dtype, budget: int, measure: bool,
+                    dense_recorded: list) -> None:
+    """The weights a transformers conversion makes from the file tensors of ``group`` (a Mixtral's fused experts
+    from one Linear weight per expert), built dense as ``from_pretrained`` builds them, each recorded one checked
+    N:M and packed where the 2:4 CPU kernel takes it (a 2-D weight: one dense weight is resident meanwhile),
+    otherwise held dense and named in ``dense_recorded``."""
+    made = group.convert(lambda key: read_dense(sources[key], key, dtype, budget))
+    parts = f"{', '.join(group.sources[:2])}{' ...' if len(group.sources) > 2 else ''} in {sources[group.sources[0]].path}"
+    for name, names, places in targets:
+        tensor = made.pop(name)
+        entry = next((layout.weights[n] for n in names if n in layout.weights), None)
+        if entry is None:
+            param = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
+            for _, module, pname in places:
+                module._parameters[pname] = param
+            continue
+        if tuple(tensor.shape) != tuple(entry.shape):
+            _not_recorded(f"{name}, built from {parts}, is {list(tensor.shape)}, the record says {list(entry.shape)}")
+        bad, total = _violations(tensor, entry)
+        if bad:
+            _not_recorded(f"{name}, built from {parts}: {bad}/{total} groups along dim {entry.dim} are not {entry.pattern}")
+        why = None if entry.pattern == NMPattern(2, 4) else f"{entry.pattern} is not 2:4"
+        why = why or packable(tuple(tensor.shape), entry.dim, tensor.dtype)
+        if why is None:
+            transposed = entry.dim in (0, -2)
+            weight = tensor.t() if transposed else tensor
+            values, bits, _ = cpu24.cpu_pack(weight)  # checked above: no group keeps more than 2 of 4
+            packed = PackedLinearWeight(values, bits, tuple(weight.shape), -1, cpu24.best_isa(values.dtype) or "",
+                                        transposed)
+            del tensor, weight
+            _hold_packed(packed, places, measure, f"packed only, loaded from {len(group.sources)} file tensors")
+        else:
+            param = nn.Parameter(tensor, requires_grad=False)
+            for _, module, pname in places:
+                module._parameters[pname] = param
+            dense_recorded.append(f"{name} ({why}; written by transformers as {len(group.sources)} file tensors)")
+        for _, module, pname in places:
+            records.put(module, DEPLOYED, pname, Deployed(entry.pattern, entry.dim, entry.recipe))
 
 
 def _not_recorded(problem: str):

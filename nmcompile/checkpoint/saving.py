@@ -25,9 +25,9 @@ from ..kernels.cpu24.weight import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import memory
 from ..state.records import root
-from . import folders
+from . import conversions, folders
 from .layout import METADATA_KEY, OWN_FILES, RECORD_FILE, Layout, layout_of, write_layout
-from .weight_files import stamp_safetensors
+from .weight_files import stamp_safetensors, tensor_sources, weight_files
 
 __all__ = ["save_pretrained", "check_disk", "weight_file", "PACKED_FILE"]
 
@@ -193,6 +193,7 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
     try:
         if hf:
             model.save_pretrained(staging, safe_serialization=True, **save_kwargs)
+            layout.saved = _saved_names(model, layout, staging)
         else:
             torch.save(model, os.path.join(staging, "model.pt"))
         if tokenizer is not None:
@@ -212,6 +213,32 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return [os.path.join(directory, name) for name in written]
+
+
+def _saved_names(model: nn.Module, layout: Layout, staging: str) -> dict[str, list[str]]:
+    """``{name: file tensors}`` of the recorded weights that transformers wrote under other names than the
+    model's (a Mixtral's fused experts: one Linear weight per expert; :mod:`nmcompile.checkpoint.conversions`).
+    A recorded N:M weight that the files hold under no name nmcompile can map back is a ValueError."""
+    files = weight_files(staging, required=False)
+    sources = tensor_sources(files) if files else {}
+    wanted = {name for name in (*layout.weights, *layout.dense) if name not in sources}
+    if not wanted or not sources:
+        return {}
+    saved, problems = {}, []
+    for group in conversions.groups(model, {key: (s.shape(key), s.dtype(key)) for key, s in sources.items()}):
+        problems += [group.problem] if group.problem else []
+        for name in group.targets:
+            if name in wanted:
+                saved[name] = list(group.sources)
+    lost = [name for name in layout.weights if name not in sources and name not in saved]
+    if lost:
+        raise ValueError(
+            f"nmcompile.deploy.save_pretrained: {type(model).__name__}.save_pretrained wrote the N:M weights "
+            f"{', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} under names that nmcompile cannot map back to the "
+            "model's (transformers' conversions of this model's checkpoints" + "".join(f"; {p}" for p in problems[:2])
+            + "), so the directory could be neither checked nor loaded packed; pass save_original_format=False to "
+            "write the weights under the model's own names")
+    return saved
 
 
 def _stamp(folder: str, layout: Layout) -> None:

@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
 import nmcompile
 from nmcompile.app.cli import main
+from nmcompile.checkpoint import saving
+from models import tiny_moe
 
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds that "
         "lour'd upon our house in the deep bosom of the ocean buried. ") * 12
 
 
-def tiny_gpt2_dir(tmp_path):
-    """A tiny GPT-2 with a byte-level tokenizer, written as a local Hugging Face directory."""
+def char_tokenizer():
+    """A character-level tokenizer of the printable ASCII characters (96 ids with ``<unk>``), made offline."""
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
     vocab["<unk>"] = len(vocab)
     raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = tokenizers.pre_tokenizers.Split("", behavior="isolated")
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+
+
+def tiny_gpt2_dir(tmp_path):
+    """A tiny GPT-2 with a byte-level tokenizer, written as a local Hugging Face directory."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = char_tokenizer()
+    vocab = tokenizer.get_vocab()
     config = transformers.GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                      bos_token_id=0, eos_token_id=0, use_cache=False)
     model = transformers.GPT2LMHeadModel(config)
@@ -99,6 +110,79 @@ def test_prune_a_saved_character_model_sequentially(tmp_path, capsys):
     assert code == 0, text.err
     pruned = torch.load(out / "model.pt", weights_only=False)
     assert nmcompile.check(pruned).ok and len(nmcompile.check(pruned)) > 0
+
+
+def tiny_moe_dir(tmp_path, kind: str):
+    """A tiny mixture of experts (tests/models.py:tiny_moe) with the character tokenizer, as a local directory."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = char_tokenizer()
+    model = tiny_moe(transformers, kind, vocab=len(tokenizer.get_vocab()))
+    path = tmp_path / kind
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (tmp_path / "calib.txt").write_text(TEXT)
+    return path
+
+
+#: per layer, the N:M tensors of the pruned directory's files: Mixtral's 4 attention projections and its fused
+#: experts, which transformers writes as 4 x (w1, w2, w3); the per-expert model's mixing Linear and 4 x (w1, w2, w3)
+MOE_FILE_TENSORS = {"mixtral": 4 + 12, "per_expert": 1 + 12}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequential", [False, True], ids=["one-pass", "sequential"])
+@pytest.mark.parametrize("kind", ["mixtral", "per_expert"])
+def test_a_pruned_mixture_of_experts_checks_and_loads_packed(tmp_path, capsys, monkeypatch, kind, sequential):
+    """Issue 52, row 1: transformers 5 holds a Mixtral's experts fused and writes them one Linear weight per
+    expert, so the record named weights no file held (check: exit 2; the packed load: "parameters that no
+    weights file holds"). Both layouts of experts now check clean and load, packed and dense, to the pruned
+    model's logits."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tiny_moe_dir(tmp_path, kind)
+    kept, save = [], saving.save_pretrained
+    monkeypatch.setattr(saving, "save_pretrained", lambda model, *a, **k: kept.append(model) or save(model, *a, **k))
+    out = tmp_path / "pruned"
+    code = main(["prune", str(path), "--recipe", "sparsegpt:2:4", "--calibration", str(tmp_path / "calib.txt"),
+                 "--out", str(out), "--seq-len", "32", "--samples", "8", "--quiet",
+                 *(["--sequential"] if sequential else [])])
+    text = capsys.readouterr()
+    assert code == 0, text.err
+    assert ("sequential" in text.out) == sequential
+    pruned = kept[0]
+    report = nmcompile.check(pruned)
+    assert report.ok and sum("experts" in name for name in report) == (4 if kind == "mixtral" else 24)
+
+    assert main(["check", str(out)]) == 0
+    checked = capsys.readouterr().out
+    files = 2 * MOE_FILE_TENSORS[kind]
+    assert f"{files}/{files} tensors comply" in checked
+    block = "block_sparse_moe." if kind == "mixtral" else ""  # as the files name them
+    for layer in range(2):
+        for e in range(4):
+            for w in ("w1", "w2", "w3"):
+                assert f"layers.{layer}.{block}experts.{e}.{w}.weight: 2:4 along dim 1: ok" in checked
+        assert f"layers.{layer}.{block}gate.weight: not checked (dense in the layout record" in checked  # the router
+
+    ids = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        expected = pruned(ids).logits
+    with pytest.warns(UserWarning) if kind == "mixtral" else nullcontext() as caught:
+        packed = nmcompile.deploy.load_pretrained(out, packed=True, measure=False)
+    held = {n for n, p in packed.named_parameters() if isinstance(p, nmcompile.deploy.PackedLinearWeight)}
+    if kind == "mixtral":  # the fused [experts, out, in] weights: loaded dense, and said so
+        message = " ".join(str(w.message) for w in caught)
+        for layer in range(2):
+            for w in ("gate_up_proj", "down_proj"):
+                assert f"model.layers.{layer}.mlp.experts.{w} (a 3-D weight" in message
+        assert len(held) == 8 and not any("experts" in n for n in held)
+    else:
+        assert len(held) == 26 and sum("experts" in n for n in held) == 24
+    assert nmcompile.check(packed).ok and set(nmcompile.check(packed)) == set(report)
+    dense = nmcompile.deploy.load_pretrained(out)
+    assert nmcompile.check(dense).ok and set(nmcompile.check(dense)) == set(report)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense(ids).logits, expected)
 
 
 def test_prune_refuses_bad_input_with_one_line(tmp_path, capsys):
