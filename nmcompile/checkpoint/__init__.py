@@ -7,7 +7,8 @@ packed state dicts and weights, and the checks of files and directories.
 - :mod:`.packed_weights`: 2:4 weights held packed only on the CPU (:func:`pack_weights`, :func:`load_packed`);
 - :mod:`.streaming` / :mod:`.weight_files` / :mod:`.state_dicts`: reading safetensors a run of rows at a time,
   weights files, and state dicts nested in checkpoints;
-- :mod:`.file_checks` / :mod:`.hints`: N:M checks of files and directories, and what to check instead.
+- :mod:`.file_checks`: N:M checks of files and directories, and what to check instead when one fails;
+- :mod:`.folders`: an output folder written whole or not at all, never losing a file nmcompile did not write;
 - :mod:`.conversions`: the weights transformers writes under other names and shapes (fused MoE experts,
   written one Linear weight per expert), and how they are built back.
 
