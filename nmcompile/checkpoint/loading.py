@@ -19,12 +19,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..kernels import cpu24
-from ..kernels.dispatch import Decision
 from ..pattern import NMPattern
 from ..state import records
 from ..state.records import DEPLOYED, owners
 from .layout import Layout
-from .packed_weights import is_trainable, set_packed, token_range
+from .packed_weights import RangeRule, is_trainable, set_packed
 from .restore import layout_from, restore
 from .streaming import chunk_budget, packable, read_dense, read_packed
 from .weight_files import tensor_sources, weight_files
@@ -231,12 +230,7 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             if bad:
                 _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} keep more than 2 of 4")
             bias = getattr(places[0][1], "bias", None)
-            weight.max_tokens, ratios, how = token_range(*weight.weight_shape, weight.dtype, isinstance(bias, torch.Tensor),
-                                                    weight.isa, measure)
-            decision = Decision("cpu24", "packed only, loaded" + ("" if measure else " (every token count, not timed)")
-                                + (f"; {how}" if how else ""),
-                                max_tokens=weight.max_tokens, isa=weight.isa, ratios=ratios,
-                                speedup=ratios[0][1] if ratios else None)
+            decision = RangeRule(isinstance(bias, torch.Tensor), measure, "packed only, loaded").decide(weight)
             trainable = is_trainable(places[0][1]._parameters[places[0][2]])
             for _, module, pname in places:
                 set_packed(module, pname, weight, decision, trainable)

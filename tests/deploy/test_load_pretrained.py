@@ -264,3 +264,35 @@ def test_loading_from_several_threads_builds_on_meta_for_the_loading_thread_only
     with torch.no_grad():
         torch.testing.assert_close(loaded["second"](ids).logits, expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(loaded["first"](ids).logits, expected_bf16, rtol=2e-2, atol=2e-2)
+
+
+@kernel
+def test_a_loaded_packed_model_converted_to_bf16_has_the_ranges_of_one_loaded_in_bf16(tmp_path, monkeypatch):
+    from nmcompile.kernels.dispatch import cpu as cpu_dispatch
+
+    ranges, asked = {torch.float32: 256, torch.bfloat16: 16}, []
+
+    def fake(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only=False):  # no kernel is timed
+        asked.append((out_f, in_f, dtype, bias, isa, packed_only))
+        top = ranges[dtype]
+        return cpu_dispatch.Ladder(tuple((t, 3.0 if t <= top else 0.8, t <= top) for t in ladder if t <= 2 * top))
+
+    monkeypatch.setattr(cpu_dispatch, "_ratios", fake)
+    _, report, path = saved(tmp_path, "llama")
+    direct = load_pretrained(path, packed=True, dtype=torch.bfloat16)
+    wanted, asked_direct = nmcompile.deploy_report(direct), set(asked)
+    model = load_pretrained(path, packed=True)
+    assert {d.max_tokens for d in nmcompile.deploy_report(model).values()} == {256}
+    asked.clear()
+    model.to(torch.bfloat16)
+    assert set(asked) == asked_direct
+    converted = nmcompile.deploy_report(model)
+    for name in report:
+        assert model.get_parameter(name).max_tokens == direct.get_parameter(name).max_tokens == 16
+        assert (converted[name].max_tokens, converted[name].ratios, converted[name].isa) == \
+            (wanted[name].max_tokens, wanted[name].ratios, wanted[name].isa)
+    with torch.no_grad():
+        for tokens in (4, 40):  # 2 x 40 rows: above the range, unpacked for the dense GEMM
+            ids = torch.randint(0, 256, (2, tokens // 2))
+            # (model.to converts the rotary frequencies to bf16 too; the load keeps them in fp32)
+            torch.testing.assert_close(model(ids).logits, direct(ids).logits, rtol=2e-2, atol=2e-2)
