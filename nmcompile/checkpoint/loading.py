@@ -2,8 +2,9 @@
 
 :func:`load_pretrained` reads a directory written by :func:`nmcompile.deploy.save_pretrained` or
 ``nmcompile prune`` (no network). Dense, it is ``from_pretrained`` plus :func:`nmcompile.deploy.restore`.
-Packed (``packed=True``), the model is built with its parameters on the meta device, and each weight is
-read from the safetensors files a run of rows at a time (:mod:`nmcompile.checkpoint.streaming`): the N:M ones
+Packed (``packed=True``), the model is built on the meta device (by contexts that only the loading thread
+sees: loads and model builds in other threads are unaffected), the buffers computed from the config are made
+by the model's own initialization, and each weight is read from the safetensors files a run of rows at a time (:mod:`nmcompile.checkpoint.streaming`): the N:M ones
 straight into packed 2:4 CPU weights (checked on the way in), the others dense. No dense copy of the
 model, nor of any packed weight, is ever resident: the load peaks at the packed model plus one chunk.
 The weights that transformers writes under other names or shapes (a Mixtral's fused experts, written one
@@ -14,52 +15,100 @@ meanwhile); fused experts, 3-D, are held dense and named in a warning.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from .. import masks
 from ..kernels import cpu24
 from ..kernels.cpu24.weight import PackedLinearWeight
-from ..kernels.dispatch import Decision
 from ..pattern import NMPattern
 from ..state import records
+from ..state.deployed import Deployed
 from ..state.records import DEPLOYED, owners
 from . import conversions
 from .layout import Layout
-from .packed_weights import is_trainable, set_packed, token_range
+from .packed_weights import RangeRule, is_trainable, set_packed
 from .restore import layout_from, restore
 from .streaming import chunk_budget, packable, read_dense, read_packed
 from .weight_files import tensor_sources, weight_files
-from ..state.deployed import Deployed
-from .. import masks
 
 __all__ = ["load_pretrained"]
 
 
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Modules built inside get their parameters on the meta device and their buffers where they are made.
+#: torch's constructors whose floating results take the default dtype when given none
+_CONSTRUCTORS = frozenset({torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.rand,
+                           torch.randn, torch.arange, torch.linspace, torch.logspace, torch.eye, torch.scalar_tensor,
+                           torch.tensor})
 
-    Buffers (rotary frequencies, masks) are computed at construction from the config and are not all in
-    the weights files, so they must be real; parameters are all read from the files. This replaces
-    ``nn.Module.register_parameter`` for the duration (as ``accelerate.init_empty_weights(include_buffers=
-    False)`` does): build nothing in other threads meanwhile."""
-    register = nn.Module.register_parameter
 
-    def on_meta(module, name, param):
-        register(module, name, param)
-        held = module._parameters.get(name)
-        if held is not None and not held.is_meta:
-            module._parameters[name] = type(held)(held.to("meta"), requires_grad=held.requires_grad)
+class _DefaultDtype(TorchFunctionMode):
+    """``torch.set_default_dtype(dtype)`` for the thread that enters it only: a floating tensor that one of
+    torch's constructors makes in the default dtype, given no dtype, is made in ``dtype``.
 
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+    The default dtype is process-wide: setting it while a model is built (as transformers' ``from_config(
+    dtype=...)`` does) gives a model that another thread builds meanwhile that dtype, and two loads that
+    overlap can leave the process with the other's. A function mode, as ``torch.device`` is, lives on this
+    thread's mode stack only."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _CONSTRUCTORS and kwargs.get("dtype") is None and isinstance(out, torch.Tensor) \
+                and out.dtype == torch.get_default_dtype() != self.dtype \
+                and not (func is torch.tensor and args and hasattr(args[0], "dtype")):  # a tensor's or array's own
+            out = out.to(self.dtype)
+        return out
+
+
+def _build_on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
+    """``cls`` built from ``config`` in ``dtype``, every tensor on the meta device (nothing is allocated or
+    initialized), by contexts that only this thread sees: ``torch.device("meta")`` and :class:`_DefaultDtype`.
+    Nothing process-wide changes, so other threads may build models or load meanwhile (an earlier version
+    replaced ``nn.Module.register_parameter`` for the duration, and another thread's models got meta weights)."""
+    build = getattr(cls, "_from_config", None) or cls.from_config  # the Auto classes: from_config
+    with torch.device("meta"), _DefaultDtype(dtype):
+        model = build(config, dtype=None)  # dtype=None: transformers would set the process's default dtype
+    for sub in (config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", None) or ())):
+        if sub is not None:  # what from_config(dtype=...) records
+            sub.dtype = dtype
+    return model
+
+
+def _compute_buffers(model: nn.Module, sources: dict) -> None:
+    """Make real the buffers that the construction left on the meta device and the files do not hold (those
+    computed from the config, not saved: rotary frequencies), computed by the model's own initialization
+    (``_init_weights`` of the transformers model that holds them), as ``from_pretrained`` computes them. The
+    parameters are still on the meta device, where initializing them costs nothing. A buffer that the
+    initialization does not write stays on the meta device, and the load names it."""
+    transformers = _transformers()
+
+    def visit(module: nn.Module, prefix: str, init) -> None:
+        if isinstance(module, transformers.PreTrainedModel):
+            init = module._init_weights
+        made = {name: torch.empty_like(buffer, device="cpu") for name, buffer in module._buffers.items()
+                if buffer is not None and buffer.is_meta and prefix + name not in sources}
+        if made and init is not None:
+            meta = {name: module._buffers[name] for name in made}
+            versions = {name: tensor._version for name, tensor in made.items()}
+            module._buffers.update(made)
+            with torch.no_grad():
+                init(module)
+            for name, tensor in made.items():
+                if module._buffers[name] is tensor and tensor._version == versions[name]:
+                    module._buffers[name] = meta[name]  # not computed: named by the load, never left garbage
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.", init)
+
+    visit(model, "", None)
 
 
 def _transformers():
@@ -134,9 +183,8 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
         dtype_built = max(set(stored), key=stored.count) if stored else torch.get_default_dtype()
     else:
         dtype_built = dtype
-    with _parameters_on_meta():
-        build = getattr(cls, "_from_config", None) or cls.from_config  # the Auto classes: from_config
-        model = build(config, dtype=dtype_built)
+    model = _build_on_meta(cls, config, dtype_built)
+    _compute_buffers(model, sources)
     _stream(model, layout, sources, dtype, measure)
     generation = os.path.join(path, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
@@ -214,12 +262,7 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
 def _hold_packed(weight, places, measure: bool, how_loaded: str) -> None:
     """``weight`` (packed) in the places of the meta parameter it replaces, with its token range."""
     bias = getattr(places[0][1], "bias", None)
-    weight.max_tokens, ratios, how = token_range(*weight.weight_shape, weight.dtype, isinstance(bias, torch.Tensor),
-                                                 weight.isa, measure)
-    decision = Decision("cpu24", how_loaded + ("" if measure else " (every token count, not timed)")
-                        + (f"; {how}" if how else ""),
-                        max_tokens=weight.max_tokens, isa=weight.isa, ratios=ratios,
-                        speedup=ratios[0][1] if ratios else None)
+    decision = RangeRule(isinstance(bias, torch.Tensor), measure, how_loaded).decide(weight)
     trainable = is_trainable(places[0][1]._parameters[places[0][2]])
     for _, module, pname in places:
         set_packed(module, pname, weight, decision, trainable)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,14 +27,14 @@ from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
 from ..kernels.format24 import (DAMAGED_HINT, META_SUFFIX, Packed24, packed_record, lost_metadata, pack, packed_dims,
                                unpack)
-from ..kernels.cpu24.weight import PackedLinearWeight
+from ..kernels.cpu24.weight import RANGE_ATTR, PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
 from ..state.records import DEPLOYED, deployed_of, owners
 from ..kernels.dispatch.cpu import provenance, sparse_ladder
 from ..state.deployed import Deployed
 
-__all__ = ["pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight"]
+__all__ = ["pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight", "RangeRule"]
 
 
 def token_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, measure: bool) -> tuple[int, tuple, str]:
@@ -43,6 +44,31 @@ def token_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str,
 
     max_tokens, measured = sparse_ladder(out_f, in_f, dtype, bias, isa, packed_only=True)
     return max_tokens, measured.ratios, provenance(measured)
+
+
+@dataclass(frozen=True)
+class RangeRule:
+    """How a packed weight's token range is decided, kept on the weight (:data:`~nmcompile.kernels.cpu24.weight.
+    RANGE_ATTR`), so that a conversion to another dtype (``model.to(torch.bfloat16)``, ``.half()``, ``.float()``)
+    decides it again for that dtype, as packing in that dtype does: the decision cache's entry, else timed."""
+
+    bias: bool  # the layer adds a bias (timed with it; part of the decision cache's key)
+    measure: bool  # False: the kernel takes every token count, not timed, whatever the dtype
+    reason: str = "packed only"
+
+    def decide(self, weight: PackedLinearWeight, converted_from: torch.dtype | None = None) -> Decision:
+        """Set the range of ``weight`` (``max_tokens``) for its shape, dtype and ISA, and its decision (read by
+        :func:`nmcompile.deploy_report`); the decision."""
+        max_tokens, ratios, how = token_range(*weight.weight_shape, weight.dtype, self.bias, weight.isa, self.measure)
+        reason = self.reason + ("" if self.measure else ", every token count (not timed)")
+        if converted_from is not None:
+            reason += f"; converted from {converted_from} to {weight.dtype}"
+        decision = Decision("cpu24", reason + (f"; {how}" if how else ""), max_tokens=max_tokens, isa=weight.isa,
+                            ratios=ratios, speedup=ratios[0][1] if ratios else None)
+        weight.max_tokens = max_tokens
+        setattr(weight, DECISION_ATTR, decision)
+        setattr(weight, RANGE_ATTR, self)
+        return decision
 
 
 #: the attribute of a packed-only parameter that keeps whether the dense weight it replaced was
@@ -71,7 +97,8 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
     decision. ``measure``: time the kernel on each shape (once per shape) against unpacking the
     weight plus the dense GEMM, and keep it for the token counts where it won; larger calls unpack
     the weight for the call. Without ``measure`` the kernel takes every token count. Tied weights
-    are packed once. Idempotent.
+    are packed once. Idempotent. A later conversion of the model to another of the kernel's dtypes
+    (``model.to(torch.bfloat16)``) decides each range again for that dtype (:class:`RangeRule`).
     """
     state = cpu24.status()
     out: dict[str, Decision] = {}
@@ -100,15 +127,10 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
         if why is not None:
             out[name] = Decision("dense", why)
             continue
-        isa = cpu24.best_isa(weight.dtype)
-        bias = getattr(module, "bias", None)
-        max_tokens, ratios, how = token_range(*weight.shape, weight.dtype, isinstance(bias, torch.Tensor), isa, measure)
         packed = pack(weight)
         values, bits = cpu24.cpu_layout(packed.values, packed.meta)
-        tensor = PackedLinearWeight(values, bits, tuple(weight.shape), max_tokens, isa, transposed)
-        reason = "packed only" + ("" if measure else ", every token count (not timed)") + (f"; {how}" if how else "")
-        decision = Decision("cpu24", reason, max_tokens=max_tokens, isa=isa, ratios=ratios,
-                            speedup=ratios[0][1] if ratios else None)
+        tensor = PackedLinearWeight(values, bits, tuple(weight.shape), -1, cpu24.best_isa(weight.dtype), transposed)
+        decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure).decide(tensor)
         for _, holder, attr in places:
             set_packed(holder, attr, tensor, decision, param.requires_grad)
         out[name] = decision

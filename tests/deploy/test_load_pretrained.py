@@ -194,3 +194,105 @@ def test_the_packed_load_peaks_at_the_packed_model_s_bytes(tmp_path, dtype):
           f"({grown / measured['packed']:.3f}x), dense {measured['dense'] / 2**20:.1f} MiB")
     assert measured["packed"] < 0.62 * measured["dense"]
     assert grown <= 1.15 * measured["packed"], measured
+
+
+@kernel
+def test_loading_from_several_threads_builds_on_meta_for_the_loading_thread_only(tmp_path):
+    """Two packed loads at once (the second starts building while the first builds and ends its build after the
+    first load returned), and a model built in another thread while a load builds its own: every model gets what
+    it would alone, and nothing of PyTorch is left replaced (nor replaced during the load)."""
+    import threading
+    from torch import nn
+
+    model, _, path = saved(tmp_path, "llama")
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        expected = model(ids).logits
+        expected_bf16 = load_pretrained(path, dtype=torch.bfloat16)(ids).logits
+    register, default_dtype = nn.Module.register_parameter, torch.get_default_dtype()
+    first_inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
+    seen, loaded, failed = {}, {}, []
+
+    class Blocking(transformers.LlamaForCausalLM):  # model_class: stops each load inside its model's construction
+        def __init__(self, config):
+            super().__init__(config)
+            if threading.current_thread().name == "first":
+                first_inside.set()  # meanwhile the main thread builds a model, then the second load starts
+                assert second_inside.wait(60)
+            else:
+                second_inside.set()
+                assert first_done.wait(60)  # the second load's construction ends after the first load
+
+    def load(name, dtype):
+        try:
+            loaded[name] = load_pretrained(path, packed=True, dtype=dtype, model_class=Blocking, measure=False)
+        except BaseException as err:  # noqa: BLE001 - raised again in the main thread
+            failed.append(err)
+        finally:
+            if name == "first":
+                first_done.set()
+
+    first = threading.Thread(target=load, args=("first", torch.bfloat16), name="first")
+    second = threading.Thread(target=load, args=("second", None), name="second")
+    try:
+        first.start()
+        assert first_inside.wait(60)
+        seen["other"] = tiny_llama(transformers)  # a model built in this thread while the first load builds its own
+        seen["register"], seen["dtype"] = nn.Module.register_parameter, torch.get_default_dtype()
+        second.start()
+        first.join(120)
+        second.join(120)
+        assert not failed, failed
+        assert seen["register"] is register and nn.Module.register_parameter is register
+        assert seen["dtype"] == torch.get_default_dtype() == default_dtype
+    finally:  # what a failure left replaced must not reach the tests after this one
+        if nn.Module.register_parameter is not register:
+            nn.Module.register_parameter = register
+        torch.set_default_dtype(default_dtype)
+    built_meanwhile = list(seen["other"].named_parameters())
+    assert [n for n, p in built_meanwhile if p.is_meta or p.dtype != default_dtype] == []
+    after = nn.Linear(4, 4)  # a module built after both loads
+    assert not after.weight.is_meta and after.weight.dtype == default_dtype
+    assert loaded["first"].get_input_embeddings().weight.dtype == torch.bfloat16
+    assert isinstance(loaded["second"].model.layers[0].mlp.up_proj.weight, PackedLinearWeight)
+    for name, m in loaded.items():
+        assert not [n for n, t in list(m.named_parameters()) + list(m.named_buffers()) if t.is_meta], name
+        assert nmcompile.check(m).ok
+    rotary = dict(model.named_buffers())
+    for name, buffer in loaded["second"].named_buffers():  # computed as at construction, not read from the files
+        torch.testing.assert_close(buffer, rotary[name], rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded["second"](ids).logits, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(loaded["first"](ids).logits, expected_bf16, rtol=2e-2, atol=2e-2)
+
+
+@kernel
+def test_a_loaded_packed_model_converted_to_bf16_has_the_ranges_of_one_loaded_in_bf16(tmp_path, monkeypatch):
+    from nmcompile.kernels.dispatch import cpu as cpu_dispatch
+
+    ranges, asked = {torch.float32: 256, torch.bfloat16: 16}, []
+
+    def fake(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only=False):  # no kernel is timed
+        asked.append((out_f, in_f, dtype, bias, isa, packed_only))
+        top = ranges[dtype]
+        return cpu_dispatch.Ladder(tuple((t, 3.0 if t <= top else 0.8, t <= top) for t in ladder if t <= 2 * top))
+
+    monkeypatch.setattr(cpu_dispatch, "_ratios", fake)
+    _, report, path = saved(tmp_path, "llama")
+    direct = load_pretrained(path, packed=True, dtype=torch.bfloat16)
+    wanted, asked_direct = nmcompile.deploy_report(direct), set(asked)
+    model = load_pretrained(path, packed=True)
+    assert {d.max_tokens for d in nmcompile.deploy_report(model).values()} == {256}
+    asked.clear()
+    model.to(torch.bfloat16)
+    assert set(asked) == asked_direct
+    converted = nmcompile.deploy_report(model)
+    for name in report:
+        assert model.get_parameter(name).max_tokens == direct.get_parameter(name).max_tokens == 16
+        assert (converted[name].max_tokens, converted[name].ratios, converted[name].isa) == \
+            (wanted[name].max_tokens, wanted[name].ratios, wanted[name].isa)
+    with torch.no_grad():
+        for tokens in (4, 40):  # 2 x 40 rows: above the range, unpacked for the dense GEMM
+            ids = torch.randint(0, 256, (2, tokens // 2))
+            # (model.to converts the rotary frequencies to bf16 too; the load keeps them in fp32)
+            torch.testing.assert_close(model(ids).logits, direct(ids).logits, rtol=2e-2, atol=2e-2)

@@ -211,6 +211,67 @@ def test_a_cast_leaves_an_isa_that_does_not_take_the_new_dtype():
     assert weight.to(torch.bfloat16, copy=True).isa == "avx512_bf16"
 
 
+#: the token range each dtype's fake timing gives (the kernel clearly faster up to it, slower at the next rung)
+FAKE_RANGES = {torch.float32: 256, torch.bfloat16: 16, torch.float16: 8}
+
+
+def fake_timing(monkeypatch) -> list:
+    """Time no kernel: each shape's ladder is made up from its dtype (:data:`FAKE_RANGES`); the keys it was
+    asked for, (out, in, dtype, bias, isa, packed_only), are listed in the list returned."""
+    from nmcompile.kernels.dispatch import cpu as cpu_dispatch
+
+    asked = []
+
+    def fake(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only=False):
+        asked.append((out_f, in_f, dtype, bias, isa, packed_only))
+        top = FAKE_RANGES[dtype]
+        return cpu_dispatch.Ladder(tuple((t, 3.0 if t <= top else 0.8, t <= top) for t in ladder if t <= 2 * top))
+
+    monkeypatch.setattr(cpu_dispatch, "_ratios", fake)
+    return asked
+
+
+@pytest.mark.parametrize("source, convert, target", [
+    (torch.float32, lambda m: m.to(torch.bfloat16), torch.bfloat16),
+    (torch.float32, lambda m: m.half(), torch.float16),
+    (torch.bfloat16, lambda m: m.float(), torch.float32),
+])
+def test_a_dtype_conversion_decides_each_layer_s_range_for_the_new_dtype(monkeypatch, source, convert, target):
+    import copy
+
+    asked = fake_timing(monkeypatch)
+    direct = finalized(target)
+    pack_weights(direct)  # packed in the target dtype: what the converted model must equal
+    wanted, asked_direct = nmcompile.deploy_report(direct), set(asked)
+    model = finalized(source)
+    reference = copy.deepcopy(model).to(target)
+    pack_weights(model)
+    assert model[0].weight.max_tokens == FAKE_RANGES[source]
+    asked.clear()
+    convert(model)
+    assert set(asked) == asked_direct  # the same decision (cache) keys as packing in the new dtype
+    report = nmcompile.deploy_report(model)
+    for name, decision in report.items():
+        weight = model.get_parameter(name)
+        assert weight.dtype == target and weight.max_tokens == direct.get_parameter(name).max_tokens == FAKE_RANGES[target]
+        assert (decision.max_tokens, decision.ratios, decision.isa, decision.token_range) == \
+            (wanted[name].max_tokens, wanted[name].ratios, wanted[name].isa, wanted[name].token_range)
+        assert f"converted from {source}" in decision.reason
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[target]
+    with torch.no_grad():
+        for tokens in (4, 64):  # inside the new range (the kernel) and above it (unpacked for a dense GEMM)
+            x = torch.randn(tokens, 64).to(target)
+            torch.testing.assert_close(model(x), reference(x), rtol=tol, atol=tol)
+
+
+def test_a_range_that_was_not_timed_stays_untimed_through_a_conversion(monkeypatch):
+    asked = fake_timing(monkeypatch)
+    model = packed()  # measure=False: every token count
+    model.to(torch.bfloat16)
+    assert asked == [] and model[0].weight.max_tokens == -1
+    assert nmcompile.deploy_report(model)["0.weight"].token_range == "1 and up"
+
+
 def test_load_packed_reads_a_mixtral_checkpoint_with_3d_experts():
     transformers = pytest.importorskip("transformers")
     from nmcompile.deploy import load_packed, pack_state_dict, unpack_state_dict
