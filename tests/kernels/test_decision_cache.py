@@ -51,7 +51,7 @@ COMPILE = textwrap.dedent("""
     import torch
     from torch import nn
     import nmcompile
-    from nmcompile.kernels import cpu_dispatch
+    from nmcompile.kernels.dispatch import cpu as cpu_dispatch
     if sys.argv[1] == "refuse":
         def refuse(*args, **kwargs):
             raise AssertionError("timed in the second process")
