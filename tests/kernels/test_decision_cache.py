@@ -162,3 +162,23 @@ def test_a_folder_that_cannot_be_written_is_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("NMCOMPILE_CACHE_DIR", str(blocker))  # a file where the folder should be
     with pytest.warns(UserWarning, match="cannot write the decision cache"):
         assert decision_cache.store(entry_key(), RUNGS) is None
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage", b'{"key": "\xe9t\xe9"}', b"\x00" * 64,
+                                     "overflow", b"[" * 100000])
+def test_a_damaged_file_is_a_miss_with_one_warning_never_a_crash(content, no_timing, monkeypatch):
+    """Bytes that are not UTF-8 (a damaged disk page), a number that overflows, nesting too deep to
+    parse: each is a miss with one warning, then the layer is timed and the file replaced."""
+    key = entry_key(threads=torch.get_num_threads())
+    path = decision_cache.path_of(key)
+    path.parent.mkdir(parents=True)
+    if content == "overflow":  # the right key, a token count too large for an int
+        content = json.dumps({"key": key, "rungs": [[1, 2.0, True]]}).replace('[1, 2.0', '[1e400, 2.0').encode()
+    path.write_bytes(content)
+    with pytest.warns(UserWarning, match="not a valid entry") as caught:
+        assert decision_cache.load(key) is None
+    assert len(caught) == 1
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", lambda *args: lambda tokens: ([2.0] * 9, [1.0] * 9))
+    with pytest.warns(UserWarning, match="not a valid entry"):
+        max_tokens, _ = cpu_dispatch.sparse_range(256, 512, torch.float32, True, "avx2", ladder=(1, 2, 4))
+    assert max_tokens == 4 and decision_cache.load(key) == ((1, 2.0, True), (2, 2.0, True), (4, 2.0, True))

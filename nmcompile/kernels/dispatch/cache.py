@@ -11,9 +11,9 @@ shapes on a quiet machine.
 Where: ``$NMCOMPILE_CACHE_DIR``, else ``$XDG_CACHE_HOME/nmcompile``, else ``~/.cache/nmcompile``;
 one JSON file per key under ``cpu24/``, written whole (a temporary file renamed over the old one).
 ``NMCOMPILE_DECISION_CACHE=off`` (or ``0``, ``false``, ``no``) turns it off: every process times
-anew and writes nothing. A file that cannot be read or does not hold its key is ignored with a
-warning (and replaced by the next measurement); a cache folder that cannot be written is a warning,
-never an error.
+anew and writes nothing. A file that cannot be read, is damaged (bytes that are not UTF-8 or not JSON
+included) or does not hold its key is a miss with one warning (and replaced by the next measurement);
+a cache folder that cannot be written is a warning, never an error.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
@@ -92,12 +93,15 @@ def path_of(entry_key: dict) -> Path:
 
 
 def load(entry_key: dict):
-    """The rungs stored under ``entry_key`` (``((tokens, ratio, clearly faster), ...)``), or None."""
+    """The rungs stored under ``entry_key`` (``((tokens, ratio, clearly faster), ...)``), or None: a miss
+    where there is no file, and a miss with one warning where the file cannot be read or is not a
+    valid entry for this key (damaged bytes, not UTF-8, not JSON, another key, rungs that are not the
+    key's ladder)."""
     if not enabled():
         return None
     path = path_of(entry_key)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -105,17 +109,26 @@ def load(entry_key: dict):
                       stacklevel=2)
         return None
     try:
-        entry = json.loads(text)
-        if not isinstance(entry, dict) or entry.get("key") != entry_key:
-            raise ValueError("it holds another key")
-        rungs = tuple((int(t), float(r), bool(c)) for t, r, c in entry["rungs"])
-        if not rungs:
-            raise ValueError("no rung")
-    except (ValueError, TypeError, KeyError) as err:
-        warnings.warn(f"nmcompile: ignoring the decision cache file {path}: it is not a valid entry ({err}); the layer "
-                      "is timed again and the file replaced (delete it, or the folder, to clear the cache)",
-                      stacklevel=2)
+        rungs = _rungs_of(json.loads(data.decode("utf-8")), entry_key)
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        warnings.warn(f"nmcompile: ignoring the decision cache file {path}: it is not a valid entry "
+                      f"({type(err).__name__}: {str(err)[:200]}); the layer is timed again and the file replaced "
+                      "(delete it, or the folder, to clear the cache)", stacklevel=2)
         return None
+    return rungs
+
+
+def _rungs_of(entry, entry_key: dict) -> tuple:
+    if not isinstance(entry, dict) or entry.get("key") != entry_key:
+        raise ValueError("it holds another key")
+    rungs = tuple((int(t), float(r), c) for t, r, c in entry["rungs"])
+    if not rungs:
+        raise ValueError("no rung")
+    ladder = tuple(entry_key.get("ladder", ()))
+    if tuple(t for t, _, _ in rungs) != ladder[:len(rungs)]:
+        raise ValueError(f"its token counts {[t for t, _, _ in rungs]} are not the key's ladder {list(ladder)}")
+    if not all(math.isfinite(r) and r > 0 and isinstance(c, bool) for _, r, c in rungs):
+        raise ValueError("a rung's ratio is not a positive number or its verdict not true/false")
     return rungs
 
 
