@@ -102,6 +102,17 @@ def _prune(args) -> int:
     return 0
 
 
+def _positive_int(value: str) -> int:
+    """An argparse type: a count of 1 or more (tokens, threads), refused by name before any work."""
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer (counts are 1 or more)")
+    return count
+
+
 def _tune(args) -> int:
     from .tune import DTYPES, format_table, tune  # torch is imported here, not for --help
 
@@ -229,13 +240,13 @@ def main(argv=None) -> int:
         "(kept dense by default) unless --all. Exit status 2 on bad input.",
     )
     p.add_argument("model_dir", help="a local Hugging Face model directory (its config.json is read)")
-    p.add_argument("--threads", type=int, nargs="+", help="thread counts to time at (default: torch's current, "
+    p.add_argument("--threads", type=_positive_int, nargs="+", help="thread counts to time at (default: torch's current, "
                    "which is what a deploying process with the same OMP_NUM_THREADS uses)")
     p.add_argument("--dtype", action="append", choices=("fp32", "bf16", "fp16"), help="weight dtype (repeatable; "
                    "default: the config's dtype, fp32 where it names none)")
     p.add_argument("--route", action="append", choices=("compile", "pack_weights"), help="deploy route (repeatable; "
                    "default both): torch.compile of a finalized model, or pack_weights (packed only)")
-    p.add_argument("--tokens", type=int, nargs="+", help="static token counts to time as well (a graph compiled "
+    p.add_argument("--tokens", type=_positive_int, nargs="+", help="static token counts to time as well (a graph compiled "
                    "with a fixed count times that count alone; default: the dynamic ladder only)")
     p.add_argument("--all", action="store_true", help="also output heads and MoE routers")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -11,6 +11,7 @@ timing that cannot be right is not stored, and the table says so.
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,10 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
     config's, fp32 where it names none); ``routes``: names from :data:`ROUTES`; ``tokens``: static
     token counts to time as well (a graph compiled for a fixed count times that count alone; the
     default is the dynamic ladder only). Returns the rows and the layers left out, with why."""
+    for name, counts in (("tokens", tokens), ("threads", threads)):  # before any work
+        for count in counts or ():
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+                raise ValueError(f"{name}: {count!r} is not a positive integer; {name} counts are 1 or more")
     if not decision_cache.enabled():
         raise ValueError(f"the decision cache is off ({decision_cache.SWITCH_ENV}="
                          f"{os.environ[decision_cache.SWITCH_ENV]}): tune would time and keep nothing; "

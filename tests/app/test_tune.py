@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nmcompile.app.cli import main
+from nmcompile.app.tune import tune
 from nmcompile.kernels import cpu24
 from nmcompile.kernels.dispatch import cpu as cpu_dispatch
 from nmcompile.kernels.dispatch import cache as decision_cache
@@ -94,3 +95,24 @@ def test_the_command_s_help_does_not_load_tune_or_transformers():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "False False", done.stdout + done.stderr
     assert "tune" in done.stdout
+
+
+@pytest.mark.parametrize("option, value", [("--tokens", "0"), ("--tokens", "-4"), ("--tokens", "two"),
+                                           ("--threads", "0"), ("--threads", "-1")])
+def test_a_count_that_is_not_positive_is_refused_before_any_work(option, value, llama_dir, capsys, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("timed although an option was refused")
+
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", refuse)
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", str(llama_dir), option, "1", value, "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"argument {option}: {value!r} is not a positive integer" in err and "1 or more" in err, err
+
+
+@pytest.mark.parametrize("field", ["tokens", "threads"])
+def test_tune_refuses_counts_that_are_not_positive(field, llama_dir, monkeypatch):
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", lambda *args: pytest.fail("timed"))
+    with pytest.raises(ValueError, match=f"{field}: 0 is not a positive integer"):
+        tune(llama_dir, **{field: [2, 0]})
