@@ -114,7 +114,8 @@ def _positive_int(value: str) -> int:
 
 
 def _tune(args) -> int:
-    from .tune import DTYPES, format_table, tune  # torch is imported here, not for --help
+    from ..kernels.dispatch.cache import DIR_ENV  # torch is imported here, not for --help
+    from .tune import DTYPES, format_table, tune
 
     try:
         rows, skipped = tune(
@@ -126,6 +127,11 @@ def _tune(args) -> int:
         print(f"nmcompile tune: {err}", file=sys.stderr)
         return 2
     print(format_table(rows, skipped))
+    unwritable = sum(r.unwritable for r in rows)
+    if unwritable:
+        print(f"nmcompile tune: {unwritable} decisions could not be written to the decision cache (see the table); "
+              f"set {DIR_ENV} to a writable folder", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -236,8 +242,9 @@ def main(argv=None) -> int:
         "times the 2:4 CPU kernel against dense on each distinct linear shape as a compile would, and stores each "
         "decision in the decision cache ($NMCOMPILE_CACHE_DIR, else $XDG_CACHE_HOME/nmcompile or ~/.cache/nmcompile), "
         "keyed by CPU, threads, dtype, shape and versions: later processes then compile without timing. Run it on a "
-        "quiet machine; a timing that cannot be right is not stored. Output heads and MoE routers are left out "
-        "(kept dense by default) unless --all. Exit status 2 on bad input.",
+        "quiet machine; a timing that cannot be right is not stored (the table says so). Output heads and MoE routers are left out "
+        "(kept dense by default) unless --all. Exit status 2 on bad input, 1 when the decision cache could not "
+        "be written.",
     )
     p.add_argument("model_dir", help="a local Hugging Face model directory (its config.json is read)")
     p.add_argument("--threads", type=_positive_int, nargs="+", help="thread counts to time at (default: torch's current, "

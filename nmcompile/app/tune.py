@@ -21,7 +21,7 @@ from torch import nn
 from ..declare.defaults import default_reason
 from ..kernels import cpu24
 from ..kernels.dispatch import cache as decision_cache
-from ..kernels.dispatch.cpu import CPU_LADDER, max_tokens_of, measure_ladder, provenance
+from ..kernels.dispatch.cpu import CPU_LADDER, max_tokens_of, measure_ladder
 
 __all__ = ["linear_shapes", "tune", "format_table", "Tuned", "ROUTES"]
 
@@ -42,7 +42,8 @@ class Tuned:
     layers: int  # how many of the model's layers have this shape
     max_tokens: int
     ratios: tuple  # ((tokens, dense / sparse time), ...)
-    stored: str  # the cache file, or why nothing was stored
+    stored: str  # "stored", or "not stored: why"
+    unwritable: bool = False  # timed and trusted, but the cache folder could not be written
 
 
 def _config_dtype(config) -> torch.dtype:
@@ -128,9 +129,10 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
                                          f"{route} tokens {ladder[0]}{'...' if len(ladder) > 1 else ''}")
                             measured = measure_ladder(out_f, in_f, dtype, bias, isa, ladder, ROUTES[route])
                             max_tokens = max_tokens_of(measured)
-                            stored = "stored" if measured.source == "timed" else f"not stored: {provenance(measured)}"
+                            stored = "stored" if measured.stored else f"not stored: {measured.not_stored}"
                             rows.append(Tuned(out_f, in_f, bias, dtype, int(count), route, len(names), max_tokens,
-                                              measured.ratios, stored))
+                                              measured.ratios, stored,
+                                              unwritable=measured.source == "timed" and not measured.stored))
     finally:
         torch.set_num_threads(before)
     return rows, skipped
@@ -147,7 +149,14 @@ def format_table(rows: list[Tuned], skipped: dict[str, str]) -> str:
                       " ".join(f"{t}:{x:.2f}x" for t, x in r.ratios), r.stored))
     widths = [max(len(str(c)) for c in column) for column in zip(head, *lines)]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *lines)]
-    out.append(f"decision cache: {decision_cache.cache_root() / 'cpu24'}")
+    written = sum(r.stored == "stored" for r in rows)
+    summary = f"decision cache: {decision_cache.cache_root() / 'cpu24'}: {written} of {len(rows)} decisions written"
+    unwritable = [r for r in rows if r.unwritable]
+    if unwritable:
+        summary += f"; {len(unwritable)} not stored: {unwritable[0].stored.removeprefix('not stored: ')}"
+    if len(rows) - written - len(unwritable):
+        summary += f"; {len(rows) - written - len(unwritable)} not stored: the bytes decided (timed again at deploy)"
+    out.append(summary)
     if skipped:
         out.append(f"left out ({len(skipped)}): " + "; ".join(f"{name}: {why.split(';')[0]}"
                                                                for name, why in list(skipped.items())[:5])

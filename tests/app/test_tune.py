@@ -116,3 +116,18 @@ def test_tune_refuses_counts_that_are_not_positive(field, llama_dir, monkeypatch
     monkeypatch.setattr(cpu_dispatch, "layer_timer", lambda *args: pytest.fail("timed"))
     with pytest.raises(ValueError, match=f"{field}: 0 is not a positive integer"):
         tune(llama_dir, **{field: [2, 0]})
+
+
+@needs_kernel
+def test_tune_says_what_it_could_not_store(llama_dir, fake_timer, capsys, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("NMCOMPILE_CACHE_DIR", str(blocker))  # a file where the folder should be: nothing can be written
+    with pytest.warns(UserWarning, match="cannot write the decision cache"):
+        code = main(["tune", str(llama_dir), "--threads", "1", "--route", "compile", "--quiet"])
+    captured = capsys.readouterr()
+    rows = [line for line in captured.out.splitlines() if line.startswith("[")]
+    assert len(rows) == 4 and all("not stored: cannot write" in line for line in rows), captured.out
+    assert " stored" not in captured.out.replace("not stored", "")  # no row claims what did not happen
+    assert f"decision cache: {blocker / 'cpu24'}: 0 of 4 decisions written" in captured.out
+    assert code == 1 and "4 decisions could not be written" in captured.err

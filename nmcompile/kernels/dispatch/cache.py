@@ -30,7 +30,7 @@ from pathlib import Path
 from ...version import __version__
 from .. import cpu24
 
-__all__ = ["cache_root", "enabled", "key", "load", "store", "path_of", "cpu_model", "DIR_ENV", "SWITCH_ENV"]
+__all__ = ["cache_root", "enabled", "key", "load", "store", "try_store", "path_of", "cpu_model", "DIR_ENV", "SWITCH_ENV"]
 
 DIR_ENV = "NMCOMPILE_CACHE_DIR"
 SWITCH_ENV = "NMCOMPILE_DECISION_CACHE"
@@ -135,8 +135,14 @@ def _rungs_of(entry, entry_key: dict) -> tuple:
 def store(entry_key: dict, rungs, source: str = "measured") -> Path | None:
     """Write ``rungs`` under ``entry_key`` (whole: a temporary file renamed); the file, or None when off
     or the folder cannot be written (a warning)."""
+    return try_store(entry_key, rungs, source)[0]
+
+
+def try_store(entry_key: dict, rungs, source: str = "measured") -> tuple[Path | None, str]:
+    """:func:`store`, and why nothing was written (``""`` when the file was): ``(file, "")`` or
+    ``(None, why)``. A folder that cannot be written is also a warning."""
     if not enabled():
-        return None
+        return None, f"the decision cache is off ({SWITCH_ENV}={os.environ.get(SWITCH_ENV, '')})"
     path = path_of(entry_key)
     entry = {"key": entry_key, "rungs": [[int(t), float(r), bool(c)] for t, r, c in rungs], "source": source}
     try:
@@ -151,6 +157,6 @@ def store(entry_key: dict, rungs, source: str = "measured") -> Path | None:
             raise
     except OSError as err:
         warnings.warn(f"nmcompile: cannot write the decision cache at {path.parent} ({err}); set {DIR_ENV} to a "
-                      f"writable folder, or {SWITCH_ENV}=off to stop trying", stacklevel=2)
-        return None
-    return path
+                      f"writable folder, or {SWITCH_ENV}=off to stop trying", stacklevel=3)
+        return None, f"cannot write {path.parent} ({err.strerror or err})"
+    return path, ""

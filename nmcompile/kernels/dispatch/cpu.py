@@ -120,6 +120,8 @@ class Ladder:
     rungs: tuple  # ((tokens, dense / sparse median time, sparse clearly faster), ...)
     source: str = "timed"  # "timed" in this process, "cached" (an earlier one), or "bytes" (see note)
     note: str = ""  # source "bytes": the timings that could not be right, which the bytes model replaced
+    stored: str = ""  # :func:`measure_ladder`: the decision cache file written, or "" (see not_stored)
+    not_stored: str = ""  # :func:`measure_ladder`: why nothing was written ("" when it was)
 
     @property
     def ratios(self) -> tuple:
@@ -230,12 +232,14 @@ def _key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only) -> dict:
 def measure_ladder(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
                    packed_only: bool = False) -> Ladder:
     """Time the ladder now, at the current thread count, and write it to the decision cache when it
-    could be trusted (never when the bytes model decided a rung)."""
+    could be trusted (never when the bytes model decided a rung). The ladder says what was written
+    (``stored``, the file) or why nothing was (``not_stored``)."""
     measured = walk(tuple(ladder), layer_timer(out_f, in_f, dtype, bias, isa, packed_only), out_f, in_f, dtype)
-    if measured.source == "timed":
-        decision_cache.store(_key(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only),
-                             measured.rungs)
-    return measured
+    if measured.source != "timed":
+        return replace(measured, not_stored=provenance(measured))
+    path, why = decision_cache.try_store(
+        _key(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only), measured.rungs)
+    return replace(measured, stored=str(path) if path else "", not_stored=why)
 
 
 @functools.lru_cache(maxsize=64)
