@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,6 +158,8 @@ def format_table(rows: list[Tuned], skipped: dict[str, str]) -> str:
     if len(rows) - written - len(unwritable):
         summary += f"; {len(rows) - written - len(unwritable)} not stored: the bytes decided (timed again at deploy)"
     out.append(summary)
+    out.append(f"measured on: {decision_cache.describe_cpu(decision_cache.cpu_identity())}, host {platform.node()} "
+               "(the cache's key names this CPU: another microarchitecture or ISA set times anew)")
     if skipped:
         out.append(f"left out ({len(skipped)}): " + "; ".join(f"{name}: {why.split(';')[0]}"
                                                                for name, why in list(skipped.items())[:5])

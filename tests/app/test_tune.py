@@ -53,6 +53,7 @@ def test_tune_times_each_distinct_shape_once_and_a_compile_then_reads_it(llama_d
     assert "[256, 64]" not in out and "left out (1): lm_head: kept dense by default: an output head" in out
     assert "1 to 4" in out and "1:2.00x 2:2.00x 4:2.00x 8:0.50x" in out and out.count("stored") == 8
     assert len(list((decision_cache.cache_root() / "cpu24").glob("*.json"))) == 8
+    assert f"measured on: {decision_cache.describe_cpu(decision_cache.cpu_identity())}" in out
 
     def refuse(*args):
         raise AssertionError("timed although tune stored this shape")

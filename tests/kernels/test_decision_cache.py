@@ -5,6 +5,7 @@ Each test has its own empty cache folder (tests/conftest.py sets NMCOMPILE_CACHE
 """
 
 import json
+import platform
 import os
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def test_a_second_process_compiles_the_same_layers_without_timing():
     for name in first:
         assert second[name][:3] == first[name][:3]  # kernel, range and the measured ratios
         assert "earlier process" in second[name][3] and "earlier process" not in first[name][3]
+        assert f"on {decision_cache.describe_cpu(decision_cache.cpu_identity())}, host " in second[name][3]
 
 
 def test_the_key_holds_what_decides_the_measurement():
@@ -182,3 +184,57 @@ def test_a_damaged_file_is_a_miss_with_one_warning_never_a_crash(content, no_tim
     with pytest.warns(UserWarning, match="not a valid entry"):
         max_tokens, _ = cpu_dispatch.sparse_range(256, 512, torch.float32, True, "avx2", ladder=(1, 2, 4))
     assert max_tokens == 4 and decision_cache.load(key) == ((1, 2.0, True), (2, 2.0, True), (4, 2.0, True))
+
+
+ZEN5 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+stepping\t: 1
+flags\t\t: fpu sse sse2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vbmi2 avx512_vnni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+"""
+ZEN3 = ZEN5.replace("cpu family\t: 26", "cpu family\t: 25").replace("model\t\t: 2", "model\t\t: 1").replace(
+    " avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vbmi2 avx512_vnni", "")
+
+
+def as_cpu(monkeypatch, cpuinfo: str):
+    monkeypatch.setattr(decision_cache, "cpu_identity", lambda: decision_cache.parse_cpuinfo(cpuinfo))
+
+
+def test_the_key_names_the_cpu_beyond_its_model_name(monkeypatch):
+    """'AMD EPYC' names a Zen 5 with AVX-512 and a Zen 3 with AVX2 alike: vendor, family, model,
+    stepping and the ISA flags tell them apart, so an entry tuned on one is never used on the other."""
+    zen5 = decision_cache.parse_cpuinfo(ZEN5)
+    assert zen5 == {"vendor": "AuthenticAMD", "family": "26", "model": "2", "stepping": "1", "name": "AMD EPYC",
+                    "flags": ["avx", "avx2", "avx512_bf16", "avx512_vbmi2", "avx512_vnni", "avx512bw", "avx512dq",
+                              "avx512f", "avx512vl", "f16c", "fma"]}
+    as_cpu(monkeypatch, ZEN5)
+    tuned_on_zen5 = entry_key()
+    decision_cache.store(tuned_on_zen5, RUNGS)
+    assert decision_cache.load(entry_key()) == RUNGS
+    for other in (ZEN3, ZEN5.replace("stepping\t: 1", "stepping\t: 0"), ZEN5.replace(" avx512_bf16", ""),
+                  ZEN5.replace("AuthenticAMD", "GenuineIntel", 1)):
+        as_cpu(monkeypatch, other)
+        assert entry_key()["cpu"] == "AMD EPYC"  # the same name
+        assert decision_cache.path_of(entry_key()) != decision_cache.path_of(tuned_on_zen5)
+        assert decision_cache.load(entry_key()) is None  # a miss: timed on this machine
+
+
+def test_without_cpuinfo_the_platform_and_the_kernel_s_isas_name_the_cpu(monkeypatch):
+    identity = decision_cache.parse_cpuinfo("")
+    assert identity["name"] and identity["vendor"] and identity["flags"] == sorted(cpu24.isas())
+
+
+def test_a_cached_decision_names_the_machine_that_measured_it(monkeypatch, no_timing):
+    as_cpu(monkeypatch, ZEN3)
+    key = entry_key(threads=torch.get_num_threads())
+    decision_cache.store(key, RUNGS)
+    max_tokens, ladder = cpu_dispatch.sparse_ladder(256, 512, torch.float32, True, "avx2", ladder=(1, 2, 4))
+    how = cpu_dispatch.provenance(ladder)
+    assert max_tokens == 2 and ladder.source == "cached"
+    assert "measured by an earlier process on AMD EPYC (AuthenticAMD family 25 model 1 stepping 1; avx avx2 f16c fma)" in how
+    assert f"host {platform.node()}" in how and str(decision_cache.cache_root()) in how

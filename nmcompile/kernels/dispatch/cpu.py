@@ -119,7 +119,8 @@ class Ladder:
 
     rungs: tuple  # ((tokens, dense / sparse median time, sparse clearly faster), ...)
     source: str = "timed"  # "timed" in this process, "cached" (an earlier one), or "bytes" (see note)
-    note: str = ""  # source "bytes": the timings that could not be right, which the bytes model replaced
+    note: str = ""  # source "bytes": the timings that could not be right, which the bytes model replaced;
+    #                 source "cached": the machine that measured it (CPU, host, when)
     stored: str = ""  # :func:`measure_ladder`: the decision cache file written, or "" (see not_stored)
     not_stored: str = ""  # :func:`measure_ladder`: why nothing was written ("" when it was)
 
@@ -250,9 +251,9 @@ def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, thr
 
     ``packed_only``: the weight has no dense copy, so the alternative to the kernel is unpacking it
     for the call and then the dense GEMM (what ``cpu24_linear`` does above ``max_tokens``)."""
-    cached = decision_cache.load(_key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only))
+    cached = decision_cache.load_entry(_key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only))
     if cached is not None:
-        return Ladder(cached, "cached")
+        return Ladder(cached.rungs, "cached", cached.machine)
     return measure_ladder(out_f, in_f, dtype, bias, isa, ladder, packed_only)
 
 
@@ -284,7 +285,7 @@ def sparse_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str
 def provenance(measured: Ladder) -> str:
     """How a ladder was decided, for a decision's reason ("" when timed in this process)."""
     if measured.source == "cached":
-        return f"measured by an earlier process (decision cache in {decision_cache.cache_root()})"
+        return f"measured by an earlier process on {measured.note} (decision cache in {decision_cache.cache_root()})"
     if measured.source == "bytes":
         return f"the bytes decide, the timings could not be right: {measured.note}"
     return ""
