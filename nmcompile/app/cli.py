@@ -102,8 +102,20 @@ def _prune(args) -> int:
     return 0
 
 
+def _positive_int(value: str) -> int:
+    """An argparse type: a count of 1 or more (tokens, threads), refused by name before any work."""
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer (counts are 1 or more)")
+    return count
+
+
 def _tune(args) -> int:
-    from .tune import DTYPES, format_table, tune  # torch is imported here, not for --help
+    from ..kernels.dispatch.cache import DIR_ENV  # torch is imported here, not for --help
+    from .tune import DTYPES, format_table, tune
 
     try:
         rows, skipped = tune(
@@ -115,6 +127,11 @@ def _tune(args) -> int:
         print(f"nmcompile tune: {err}", file=sys.stderr)
         return 2
     print(format_table(rows, skipped))
+    unwritable = sum(r.unwritable for r in rows)
+    if unwritable:
+        print(f"nmcompile tune: {unwritable} decisions could not be written to the decision cache (see the table); "
+              f"set {DIR_ENV} to a writable folder", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -226,17 +243,18 @@ def main(argv=None) -> int:
         "times the 2:4 CPU kernel against dense on each distinct linear shape as a compile would, and stores each "
         "decision in the decision cache ($NMCOMPILE_CACHE_DIR, else $XDG_CACHE_HOME/nmcompile or ~/.cache/nmcompile), "
         "keyed by CPU, threads, dtype, shape and versions: later processes then compile without timing. Run it on a "
-        "quiet machine; a timing that cannot be right is not stored. Output heads and MoE routers are left out "
-        "(kept dense by default) unless --all. Exit status 2 on bad input.",
+        "quiet machine; a timing that cannot be right is not stored (the table says so). Output heads and MoE routers are left out "
+        "(kept dense by default) unless --all. Exit status 2 on bad input, 1 when the decision cache could not "
+        "be written.",
     )
     p.add_argument("model_dir", help="a local Hugging Face model directory (its config.json is read)")
-    p.add_argument("--threads", type=int, nargs="+", help="thread counts to time at (default: torch's current, "
+    p.add_argument("--threads", type=_positive_int, nargs="+", help="thread counts to time at (default: torch's current, "
                    "which is what a deploying process with the same OMP_NUM_THREADS uses)")
     p.add_argument("--dtype", action="append", choices=("fp32", "bf16", "fp16"), help="weight dtype (repeatable; "
                    "default: the config's dtype, fp32 where it names none)")
     p.add_argument("--route", action="append", choices=("compile", "pack_weights"), help="deploy route (repeatable; "
                    "default both): torch.compile of a finalized model, or pack_weights (packed only)")
-    p.add_argument("--tokens", type=int, nargs="+", help="static token counts to time as well (a graph compiled "
+    p.add_argument("--tokens", type=_positive_int, nargs="+", help="static token counts to time as well (a graph compiled "
                    "with a fixed count times that count alone; default: the dynamic ladder only)")
     p.add_argument("--all", action="store_true", help="also output heads and MoE routers")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -11,7 +11,9 @@ timing that cannot be right is not stored, and the table says so.
 
 from __future__ import annotations
 
+import numbers
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from torch import nn
 from ..declare.defaults import default_reason
 from ..kernels import cpu24
 from ..kernels.dispatch import cache as decision_cache
-from ..kernels.dispatch.cpu import CPU_LADDER, max_tokens_of, measure_ladder, provenance
+from ..kernels.dispatch.cpu import CPU_LADDER, max_tokens_of, measure_ladder
 
 __all__ = ["linear_shapes", "tune", "format_table", "Tuned", "ROUTES"]
 
@@ -41,7 +43,8 @@ class Tuned:
     layers: int  # how many of the model's layers have this shape
     max_tokens: int
     ratios: tuple  # ((tokens, dense / sparse time), ...)
-    stored: str  # the cache file, or why nothing was stored
+    stored: str  # "stored", or "not stored: why"
+    unwritable: bool = False  # timed and trusted, but the cache folder could not be written
 
 
 def _config_dtype(config) -> torch.dtype:
@@ -95,6 +98,10 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
     config's, fp32 where it names none); ``routes``: names from :data:`ROUTES`; ``tokens``: static
     token counts to time as well (a graph compiled for a fixed count times that count alone; the
     default is the dynamic ladder only). Returns the rows and the layers left out, with why."""
+    for name, counts in (("tokens", tokens), ("threads", threads)):  # before any work
+        for count in counts or ():
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+                raise ValueError(f"{name}: {count!r} is not a positive integer; {name} counts are 1 or more")
     if not decision_cache.enabled():
         raise ValueError(f"the decision cache is off ({decision_cache.SWITCH_ENV}="
                          f"{os.environ[decision_cache.SWITCH_ENV]}): tune would time and keep nothing; "
@@ -123,9 +130,10 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
                                          f"{route} tokens {ladder[0]}{'...' if len(ladder) > 1 else ''}")
                             measured = measure_ladder(out_f, in_f, dtype, bias, isa, ladder, ROUTES[route])
                             max_tokens = max_tokens_of(measured)
-                            stored = "stored" if measured.source == "timed" else f"not stored: {provenance(measured)}"
+                            stored = "stored" if measured.stored else f"not stored: {measured.not_stored}"
                             rows.append(Tuned(out_f, in_f, bias, dtype, int(count), route, len(names), max_tokens,
-                                              measured.ratios, stored))
+                                              measured.ratios, stored,
+                                              unwritable=measured.source == "timed" and not measured.stored))
     finally:
         torch.set_num_threads(before)
     return rows, skipped
@@ -142,7 +150,16 @@ def format_table(rows: list[Tuned], skipped: dict[str, str]) -> str:
                       " ".join(f"{t}:{x:.2f}x" for t, x in r.ratios), r.stored))
     widths = [max(len(str(c)) for c in column) for column in zip(head, *lines)]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *lines)]
-    out.append(f"decision cache: {decision_cache.cache_root() / 'cpu24'}")
+    written = sum(r.stored == "stored" for r in rows)
+    summary = f"decision cache: {decision_cache.cache_root() / 'cpu24'}: {written} of {len(rows)} decisions written"
+    unwritable = [r for r in rows if r.unwritable]
+    if unwritable:
+        summary += f"; {len(unwritable)} not stored: {unwritable[0].stored.removeprefix('not stored: ')}"
+    if len(rows) - written - len(unwritable):
+        summary += f"; {len(rows) - written - len(unwritable)} not stored: the bytes decided (timed again at deploy)"
+    out.append(summary)
+    out.append(f"measured on: {decision_cache.describe_cpu(decision_cache.cpu_identity())}, host {platform.node()} "
+               "(the cache's key names this CPU: another microarchitecture or ISA set times anew)")
     if skipped:
         out.append(f"left out ({len(skipped)}): " + "; ".join(f"{name}: {why.split(';')[0]}"
                                                                for name, why in list(skipped.items())[:5])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nmcompile.app.cli import main
+from nmcompile.app.tune import tune
 from nmcompile.kernels import cpu24
 from nmcompile.kernels.dispatch import cpu as cpu_dispatch
 from nmcompile.kernels.dispatch import cache as decision_cache
@@ -52,6 +53,7 @@ def test_tune_times_each_distinct_shape_once_and_a_compile_then_reads_it(llama_d
     assert "[256, 64]" not in out and "left out (1): lm_head: kept dense by default: an output head" in out
     assert "1 to 4" in out and "1:2.00x 2:2.00x 4:2.00x 8:0.50x" in out and out.count("stored") == 8
     assert len(list((decision_cache.cache_root() / "cpu24").glob("*.json"))) == 8
+    assert f"measured on: {decision_cache.describe_cpu(decision_cache.cpu_identity())}" in out
 
     def refuse(*args):
         raise AssertionError("timed although tune stored this shape")
@@ -94,3 +96,39 @@ def test_the_command_s_help_does_not_load_tune_or_transformers():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "False False", done.stdout + done.stderr
     assert "tune" in done.stdout
+
+
+@pytest.mark.parametrize("option, value", [("--tokens", "0"), ("--tokens", "-4"), ("--tokens", "two"),
+                                           ("--threads", "0"), ("--threads", "-1")])
+def test_a_count_that_is_not_positive_is_refused_before_any_work(option, value, llama_dir, capsys, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("timed although an option was refused")
+
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", refuse)
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", str(llama_dir), option, "1", value, "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"argument {option}: {value!r} is not a positive integer" in err and "1 or more" in err, err
+
+
+@pytest.mark.parametrize("field", ["tokens", "threads"])
+def test_tune_refuses_counts_that_are_not_positive(field, llama_dir, monkeypatch):
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", lambda *args: pytest.fail("timed"))
+    with pytest.raises(ValueError, match=f"{field}: 0 is not a positive integer"):
+        tune(llama_dir, **{field: [2, 0]})
+
+
+@needs_kernel
+def test_tune_says_what_it_could_not_store(llama_dir, fake_timer, capsys, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("NMCOMPILE_CACHE_DIR", str(blocker))  # a file where the folder should be: nothing can be written
+    with pytest.warns(UserWarning, match="cannot write the decision cache"):
+        code = main(["tune", str(llama_dir), "--threads", "1", "--route", "compile", "--quiet"])
+    captured = capsys.readouterr()
+    rows = [line for line in captured.out.splitlines() if line.startswith("[")]
+    assert len(rows) == 4 and all("not stored: cannot write" in line for line in rows), captured.out
+    assert " stored" not in captured.out.replace("not stored", "")  # no row claims what did not happen
+    assert f"decision cache: {blocker / 'cpu24'}: 0 of 4 decisions written" in captured.out
+    assert code == 1 and "4 decisions could not be written" in captured.err

@@ -5,6 +5,7 @@ Each test has its own empty cache folder (tests/conftest.py sets NMCOMPILE_CACHE
 """
 
 import json
+import platform
 import os
 import subprocess
 import sys
@@ -51,12 +52,14 @@ COMPILE = textwrap.dedent("""
     import torch
     from torch import nn
     import nmcompile
-    from nmcompile.kernels import cpu_dispatch
+    from nmcompile.kernels.dispatch import cpu as cpu_dispatch
     if sys.argv[1] == "refuse":
         def refuse(*args, **kwargs):
             raise AssertionError("timed in the second process")
         cpu_dispatch.layer_timer = refuse
         cpu_dispatch.time_series = refuse
+    else:  # a quiet machine's timing (real timings on a busy one are left to the bytes and not cached)
+        cpu_dispatch.time_series = lambda first, second, budget=0: ([2.0] * 9, [1.0] * 9)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 128))
     nmcompile.annotate(model, "sr_ste:2:4")
@@ -86,6 +89,7 @@ def test_a_second_process_compiles_the_same_layers_without_timing():
     for name in first:
         assert second[name][:3] == first[name][:3]  # kernel, range and the measured ratios
         assert "earlier process" in second[name][3] and "earlier process" not in first[name][3]
+        assert f"on {decision_cache.describe_cpu(decision_cache.cpu_identity())}, host " in second[name][3]
 
 
 def test_the_key_holds_what_decides_the_measurement():
@@ -162,3 +166,77 @@ def test_a_folder_that_cannot_be_written_is_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("NMCOMPILE_CACHE_DIR", str(blocker))  # a file where the folder should be
     with pytest.warns(UserWarning, match="cannot write the decision cache"):
         assert decision_cache.store(entry_key(), RUNGS) is None
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage", b'{"key": "\xe9t\xe9"}', b"\x00" * 64,
+                                     "overflow", b"[" * 100000])
+def test_a_damaged_file_is_a_miss_with_one_warning_never_a_crash(content, no_timing, monkeypatch):
+    """Bytes that are not UTF-8 (a damaged disk page), a number that overflows, nesting too deep to
+    parse: each is a miss with one warning, then the layer is timed and the file replaced."""
+    key = entry_key(threads=torch.get_num_threads())
+    path = decision_cache.path_of(key)
+    path.parent.mkdir(parents=True)
+    if content == "overflow":  # the right key, a token count too large for an int
+        content = json.dumps({"key": key, "rungs": [[1, 2.0, True]]}).replace('[1, 2.0', '[1e400, 2.0').encode()
+    path.write_bytes(content)
+    with pytest.warns(UserWarning, match="not a valid entry") as caught:
+        assert decision_cache.load(key) is None
+    assert len(caught) == 1
+    monkeypatch.setattr(cpu_dispatch, "layer_timer", lambda *args: lambda tokens: ([2.0] * 9, [1.0] * 9))
+    with pytest.warns(UserWarning, match="not a valid entry"):
+        max_tokens, _ = cpu_dispatch.sparse_range(256, 512, torch.float32, True, "avx2", ladder=(1, 2, 4))
+    assert max_tokens == 4 and decision_cache.load(key) == ((1, 2.0, True), (2, 2.0, True), (4, 2.0, True))
+
+
+ZEN5 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+stepping\t: 1
+flags\t\t: fpu sse sse2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vbmi2 avx512_vnni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+"""
+ZEN3 = ZEN5.replace("cpu family\t: 26", "cpu family\t: 25").replace("model\t\t: 2", "model\t\t: 1").replace(
+    " avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vbmi2 avx512_vnni", "")
+
+
+def as_cpu(monkeypatch, cpuinfo: str):
+    monkeypatch.setattr(decision_cache, "cpu_identity", lambda: decision_cache.parse_cpuinfo(cpuinfo))
+
+
+def test_the_key_names_the_cpu_beyond_its_model_name(monkeypatch):
+    """'AMD EPYC' names a Zen 5 with AVX-512 and a Zen 3 with AVX2 alike: vendor, family, model,
+    stepping and the ISA flags tell them apart, so an entry tuned on one is never used on the other."""
+    zen5 = decision_cache.parse_cpuinfo(ZEN5)
+    assert zen5 == {"vendor": "AuthenticAMD", "family": "26", "model": "2", "stepping": "1", "name": "AMD EPYC",
+                    "flags": ["avx", "avx2", "avx512_bf16", "avx512_vbmi2", "avx512_vnni", "avx512bw", "avx512dq",
+                              "avx512f", "avx512vl", "f16c", "fma"]}
+    as_cpu(monkeypatch, ZEN5)
+    tuned_on_zen5 = entry_key()
+    decision_cache.store(tuned_on_zen5, RUNGS)
+    assert decision_cache.load(entry_key()) == RUNGS
+    for other in (ZEN3, ZEN5.replace("stepping\t: 1", "stepping\t: 0"), ZEN5.replace(" avx512_bf16", ""),
+                  ZEN5.replace("AuthenticAMD", "GenuineIntel", 1)):
+        as_cpu(monkeypatch, other)
+        assert entry_key()["cpu"] == "AMD EPYC"  # the same name
+        assert decision_cache.path_of(entry_key()) != decision_cache.path_of(tuned_on_zen5)
+        assert decision_cache.load(entry_key()) is None  # a miss: timed on this machine
+
+
+def test_without_cpuinfo_the_platform_and_the_kernel_s_isas_name_the_cpu(monkeypatch):
+    identity = decision_cache.parse_cpuinfo("")
+    assert identity["name"] and identity["vendor"] and identity["flags"] == sorted(cpu24.isas())
+
+
+def test_a_cached_decision_names_the_machine_that_measured_it(monkeypatch, no_timing):
+    as_cpu(monkeypatch, ZEN3)
+    key = entry_key(threads=torch.get_num_threads())
+    decision_cache.store(key, RUNGS)
+    max_tokens, ladder = cpu_dispatch.sparse_ladder(256, 512, torch.float32, True, "avx2", ladder=(1, 2, 4))
+    how = cpu_dispatch.provenance(ladder)
+    assert max_tokens == 2 and ladder.source == "cached"
+    assert "measured by an earlier process on AMD EPYC (AuthenticAMD family 25 model 1 stepping 1; avx avx2 f16c fma)" in how
+    assert f"host {platform.node()}" in how and str(decision_cache.cache_root()) in how

@@ -12,11 +12,15 @@ same op. Measurements are made on random weights of the layer's shape and dtype,
 shape, thread count and ISA in a process, and on disk (:mod:`.decision_cache`): a later process
 with the same CPU, threads, shape, dtype, ladder and versions reads the decision instead of timing.
 
-A rung whose timings cannot be right is timed again (:func:`judge`: a ratio below what the bytes
-allow, or, where the bytes make the kernel the faster one, a spread wider than the difference);
-if it never can, the bytes decide it (:func:`walk`), the decision's reason says so, and nothing is
-written to the cache: with one of two cores busy, the timing once sent a layer that is 2x faster
-when quiet to dense.
+A rung is timed until it settles (:func:`walk`): a series whose ratio cannot be right (below what
+the bytes allow, or above :data:`CEILING_RATIO`) or whose quartile spreads are wider than the
+ratio's distance from the margin (noise that could have gone either way) is timed again, on every
+layer size and rung; a loss, which ends the ladder, is believed once two settled series say so. A
+rung that never settles is left to the bytes (the kernel at one token on a layer that streams from
+memory, else the ladder ends there), the decision's reason says so, and nothing is written to the
+cache. With one of two cores busy, the timing once sent a layer that is 2x faster when quiet to
+dense; on a lightly loaded 2-core machine, one layer's range came out 8, 16 or 256 tokens in fresh
+processes, its ratios moving 10x (a dense GEMM waiting for a descheduled thread measured 36-56x).
 
 Both kernels are timed with their weight out of the caches, as in a deployed model whose layers
 stream from memory in turn: each call reads one of several copies of the weight, rotated so that
@@ -28,6 +32,7 @@ at 64 tokens where it ran 0.92x in a model.
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -42,7 +47,8 @@ from ... import masks
 from ..format24 import pack
 
 __all__ = ["measure_cpu", "sparse_range", "sparse_ladder", "measure_ladder", "Ladder", "walk", "judge", "plausible",
-           "bytes_bound", "layer_timer", "max_tokens_of", "provenance", "CPU_LADDER", "time_pair", "time_series", "rotation"]
+           "bytes_bound", "layer_timer", "max_tokens_of", "provenance", "CPU_LADDER", "CEILING_RATIO", "time_pair",
+           "time_series", "rotation"]
 
 #: token counts tried when the graph's token count is dynamic
 CPU_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,9 +59,14 @@ COLD_BYTES = 64 * 2**20
 #: the most copies of one weight (a layer of under 8 MB is timed partly warm)
 MAX_COPIES = 8
 #: the timing method's version, part of the decision cache's key: a change here re-times every shape
-TIMING_METHOD = 2
-#: times a rung whose result cannot be right is timed again before the bytes decide it
+#: (3: a noisy rung is timed again on every layer size and route, a loss is confirmed, ratios above
+#: CEILING_RATIO cannot be right)
+TIMING_METHOD = 3
+#: times a rung whose result cannot be right (or is not settled) is timed again before the bytes decide it
 RETRIES = 3
+#: a loss ends the ladder (every larger count takes dense), so it is believed once this many
+#: settled series of the rung say so; a clear win only moves the walk on to the next rung
+CONFIRM_LOSS = 2
 #: at one token (:data:`BYTES_TOKENS`) a layer of at least BYTES_MIN dense bytes streams its weight
 #: from memory and the kernel reads about half of dense's bytes (:func:`bytes_bound`); a ratio below
 #: PLAUSIBLE_STREAM x that bound would mean the kernel streams at under half of dense's bytes per
@@ -68,6 +79,16 @@ BYTES_TOKENS = 1
 #: tiny layers, where the op's fixed cost of about 10 us rules, measured 0.3-0.5x): a tiny GPT-2
 #: measured 0.01x on a busy machine
 ABSURD_RATIO = 0.1
+#: above this ratio no rung of the compile route can be right: dense's GEMM does the kernel's products
+#: on about twice its bytes, and quiet ladders measured at most 6.3x (fp32, 8 tokens, where dense's
+#: small GEMM is slow) and 4.9x (bf16 on AVX2); 36-56x came from a loaded 2-core machine whose
+#: statically split dense GEMM waited for a descheduled thread. Packed-only weights have no ceiling:
+#: their alternative unpacks the weight for every call (measured up to 14x).
+CEILING_RATIO = 10.0
+#: a series whose quartile spreads (dense's and the kernel's, relative, summed) are within this is
+#: quiet enough to believe even where the ratio sits near the margin (a measured tie: not clearly
+#: faster); a wider one is believed only where the ratio is farther from the margin than the spread
+QUIET_SPREAD = 0.1
 
 
 def time_series(first, second, budget: float = RUNG_BUDGET) -> tuple[list[float], list[float]]:
@@ -119,7 +140,10 @@ class Ladder:
 
     rungs: tuple  # ((tokens, dense / sparse median time, sparse clearly faster), ...)
     source: str = "timed"  # "timed" in this process, "cached" (an earlier one), or "bytes" (see note)
-    note: str = ""  # source "bytes": the timings that could not be right, which the bytes model replaced
+    note: str = ""  # source "bytes": the timings that could not be right, which the bytes model replaced;
+    #                 source "cached": the machine that measured it (CPU, host, when)
+    stored: str = ""  # :func:`measure_ladder`: the decision cache file written, or "" (see not_stored)
+    not_stored: str = ""  # :func:`measure_ladder`: why nothing was written ("" when it was)
 
     @property
     def ratios(self) -> tuple:
@@ -143,40 +167,67 @@ def plausible(out_f: int, in_f: int, dtype: torch.dtype, tokens: int) -> tuple[f
     return ABSURD_RATIO, False
 
 
-def judge(tokens: int, dense: list[float], sparse: list[float], floor: float, bytes_win: bool):
+def judge(tokens: int, dense: list[float], sparse: list[float], floor: float, bytes_win: bool,
+          ceiling: float = math.inf):
     """``(ratio, clear, doubt)`` of one rung's timings: the median ratio, whether the sparse kernel was
     clearly faster (its slower quartile beats dense's faster one by the margin), and why the result
-    cannot be right (None when it can): a ratio below ``floor``, or, where the bytes say the kernel
-    wins, a slower result whose quartile spread is wider than the difference of the medians."""
+    cannot be right or is not settled (None when it is settled): a ratio below ``floor`` or above
+    ``ceiling``, or, not clearly faster, quartile spreads wider than both :data:`QUIET_SPREAD` and
+    the ratio's distance from the margin (noise that could have gone either way), on every rung.
+    ``bytes_win`` no longer changes the judgement (:func:`walk` falls back to it)."""
     dense_median, sparse_median = statistics.median(dense), statistics.median(sparse)
     ratio = dense_median / sparse_median
+    if ratio > ceiling:
+        return ratio, False, f"{ratio:.2f}x at {tokens} tokens, above the {ceiling:.2f}x that can be right"
     (d1, d3), (s1, s3) = _quartiles(dense), _quartiles(sparse)
-    clear = d1 > MARGIN * s3
-    if clear:
+    if d1 > MARGIN * s3:
         return ratio, True, None
     if ratio < floor:
         return ratio, False, f"{ratio:.2f}x at {tokens} tokens, below the {floor:.2f}x that can be right"
-    spread = (d3 - d1) + (s3 - s1)
-    if bytes_win and spread > abs(dense_median - sparse_median):
-        return ratio, False, (f"{ratio:.2f}x at {tokens} tokens with quartile spreads ({spread / sparse_median:.0%} "
-                              f"of the sparse time) wider than the difference")
+    spread = (d3 - d1) / dense_median + (s3 - s1) / sparse_median
+    distance = abs(math.log(ratio / MARGIN))
+    if spread > max(QUIET_SPREAD, distance):
+        return ratio, False, (f"{ratio:.2f}x at {tokens} tokens with quartile spreads ({spread:.0%} of the times) "
+                              f"wider than its distance from the {MARGIN:.2f}x the decision needs")
     return ratio, False, None
 
 
-def walk(ladder, measure, out_f: int, in_f: int, dtype: torch.dtype, retries: int = RETRIES) -> Ladder:
+def walk(ladder, measure, out_f: int, in_f: int, dtype: torch.dtype, retries: int = RETRIES,
+         packed_only: bool = False) -> Ladder:
     """Time the ``ladder``'s rungs with ``measure(tokens) -> (dense seconds, sparse seconds)`` up to the
-    first where sparse was not clearly faster. A rung whose timings cannot be right (:func:`judge`)
-    is timed again up to ``retries`` times; if it never can, the bytes decide it (sparse where they
-    make the kernel the faster one, else the ladder ends) and the ladder's source is ``"bytes"``."""
+    first where sparse was not clearly faster.
+
+    Each rung is timed until it settles: a series clearly faster (and plausible) moves the walk on;
+    one that is not clearly faster ends it once :data:`CONFIRM_LOSS` settled series say so (a loss
+    decides every larger count, and noise makes losses far more often than wins); a series that cannot be right or
+    is not settled (:func:`judge`: below the floor, above :data:`CEILING_RATIO` on the compile route,
+    spreads wider than the decision's distance) is timed again. A rung still unsettled after
+    ``1 + retries`` series is left to the bytes (sparse where they make the kernel the faster one,
+    else the ladder ends) and the ladder's source is ``"bytes"``, the reason in its note."""
+    ceiling = math.inf if packed_only else CEILING_RATIO
+    confirm = min(CONFIRM_LOSS, 1 + retries)
     rungs, doubts = [], []
     for tokens in ladder:
         floor, bytes_win = plausible(out_f, in_f, dtype, tokens)
+        losses, seen, clear = [], [], None
         for _ in range(1 + retries):
-            ratio, clear, doubt = judge(tokens, *measure(tokens), floor, bytes_win)
-            if doubt is None:
+            ratio, won, doubt = judge(tokens, *measure(tokens), floor, bytes_win, ceiling)
+            seen.append(doubt)
+            if doubt is None and won:
+                clear = True
                 break
-        if doubt is not None:
-            doubts.append(f"{doubt} ({1 + retries} times)")
+            if doubt is None:
+                losses.append(ratio)
+                if len(losses) >= confirm:
+                    clear = False
+                    break
+        if clear is None:  # the series that were not losses were all doubts
+            last = next(d for d in reversed(seen) if d is not None)
+            if losses:
+                doubts.append(f"at {tokens} tokens {len(losses)} of {len(seen)} series settled as not clearly faster "
+                              f"({', '.join(f'{r:.2f}x' for r in losses)}), the others not: {last}")
+            else:
+                doubts.append(f"{last} ({len(seen)} times)")
             clear = bytes_win
         rungs.append((tokens, ratio, clear))
         if not clear:
@@ -196,10 +247,10 @@ def layer_timer(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str,
     copies = [(w, values, bits)] + [(w if packed_only else w.clone(), values.clone(), bits.clone())
                                     for _ in range(min(MAX_COPIES, -(-COLD_BYTES // per_copy)) - 1)]
     op = torch.ops.nmsparse.cpu24_linear
+    turn = rotation(len(copies))  # one rotation for every series: a rung timed again goes on to the next copy
 
     def measure(tokens: int):
         x = torch.randn(tokens, in_f, generator=generator).to(dtype)
-        turn = rotation(len(copies))
 
         def take(kernel: str):
             return copies[turn(kernel)]
@@ -230,12 +281,15 @@ def _key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only) -> dict:
 def measure_ladder(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
                    packed_only: bool = False) -> Ladder:
     """Time the ladder now, at the current thread count, and write it to the decision cache when it
-    could be trusted (never when the bytes model decided a rung)."""
-    measured = walk(tuple(ladder), layer_timer(out_f, in_f, dtype, bias, isa, packed_only), out_f, in_f, dtype)
-    if measured.source == "timed":
-        decision_cache.store(_key(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only),
-                             measured.rungs)
-    return measured
+    could be trusted (never when the bytes model decided a rung). The ladder says what was written
+    (``stored``, the file) or why nothing was (``not_stored``)."""
+    measured = walk(tuple(ladder), layer_timer(out_f, in_f, dtype, bias, isa, packed_only), out_f, in_f, dtype,
+                    packed_only=packed_only)
+    if measured.source != "timed":
+        return replace(measured, not_stored=provenance(measured))
+    path, why = decision_cache.try_store(
+        _key(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only), measured.rungs)
+    return replace(measured, stored=str(path) if path else "", not_stored=why)
 
 
 @functools.lru_cache(maxsize=64)
@@ -246,9 +300,9 @@ def _ratios(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, thr
 
     ``packed_only``: the weight has no dense copy, so the alternative to the kernel is unpacking it
     for the call and then the dense GEMM (what ``cpu24_linear`` does above ``max_tokens``)."""
-    cached = decision_cache.load(_key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only))
+    cached = decision_cache.load_entry(_key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only))
     if cached is not None:
-        return Ladder(cached, "cached")
+        return Ladder(cached.rungs, "cached", cached.machine)
     return measure_ladder(out_f, in_f, dtype, bias, isa, ladder, packed_only)
 
 
@@ -280,7 +334,7 @@ def sparse_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str
 def provenance(measured: Ladder) -> str:
     """How a ladder was decided, for a decision's reason ("" when timed in this process)."""
     if measured.source == "cached":
-        return f"measured by an earlier process (decision cache in {decision_cache.cache_root()})"
+        return f"measured by an earlier process on {measured.note} (decision cache in {decision_cache.cache_root()})"
     if measured.source == "bytes":
         return f"the bytes decide, the timings could not be right: {measured.note}"
     return ""
