@@ -233,3 +233,31 @@ def test_a_loss_seen_once_among_doubts_is_left_to_the_bytes():
     ladder = cpu_dispatch.walk((1,), lambda tokens: next(series), *SMALL, torch.float32)
     assert ladder.source == "bytes" and ladder.rungs[0][2] is False
     assert "at 1 tokens 1 of 4 series settled as not clearly faster (0.67x), the others not" in ladder.note
+
+
+def test_a_series_timed_while_the_process_waited_for_a_cpu_is_left_to_the_bytes(monkeypatch, fresh):
+    """Sustained load shifts every series alike (dense's static split waits for a descheduled thread:
+    the kernel 2x faster quiet measured 4-17x at 2-8 tokens with the process's threads waiting for a
+    CPU 1.7x the wall time): no spread shows it, the run queue does."""
+    clean = ([2.0] * 9, [1.0] * 9)
+    busy = lambda tokens: cpu_dispatch.Series(*clean, busy=0.6)
+    ladder = cpu_dispatch.walk((1, 2, 4), busy, *BIG, torch.float32)
+    assert ladder.source == "bytes" and cpu_dispatch.max_tokens_of(ladder) == 1
+    assert ("2.00x at 2 tokens while this process's threads waited for a CPU 60% of the time (the machine was "
+            "busy) (4 times)") in ladder.note
+    quiet = lambda tokens: cpu_dispatch.Series(*clean, busy=0.02)
+    assert cpu_dispatch.walk((1, 2, 4), quiet, *BIG, torch.float32) == cpu_dispatch.Ladder(
+        ((1, 2.0, True), (2, 2.0, True), (4, 2.0, True)))
+    patched_timer(monkeypatch, busy)
+    decision = cpu_dispatch.measure_cpu(Decision("cpu24", "2:4 weight, timed", isa="avx2"), torch.zeros(*BIG), None, None)
+    assert decision.max_tokens == 1 and "the bytes decide" in decision.reason and "the machine was busy" in decision.reason
+    assert not (decision_cache.cache_root() / "cpu24").exists()
+
+
+def test_the_real_timer_says_how_long_the_process_waited_for_a_cpu():
+    calls = []
+    series = cpu_dispatch.time_series(lambda: calls.append(1), lambda: calls.append(2), budget=0.001)
+    dense, sparse = series
+    assert len(dense) == len(sparse) >= 5 and series.busy >= 0.0
+    waited = cpu_dispatch.run_delay()
+    assert waited is None or waited >= 0.0  # None where the kernel keeps no schedstat

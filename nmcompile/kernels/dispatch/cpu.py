@@ -13,9 +13,10 @@ shape, thread count and ISA in a process, and on disk (:mod:`.decision_cache`): 
 with the same CPU, threads, shape, dtype, ladder and versions reads the decision instead of timing.
 
 A rung is timed until it settles (:func:`walk`): a series whose ratio cannot be right (below what
-the bytes allow, or above :data:`CEILING_RATIO`) or whose quartile spreads are wider than the
-ratio's distance from the margin (noise that could have gone either way) is timed again, on every
-layer size and rung; a loss, which ends the ladder, is believed once two settled series say so. A
+the bytes allow, or above :data:`CEILING_RATIO`), whose quartile spreads are wider than the
+ratio's distance from the margin (noise that could have gone either way), or during which the
+process's threads waited for a CPU (:data:`BUSY_MAX`: a busy machine shifts every call alike) is
+timed again, on every layer size and rung; a loss, which ends the ladder, is believed once two settled series say so. A
 rung that never settles is left to the bytes (the kernel at one token on a layer that streams from
 memory, else the ladder ends there), the decision's reason says so, and nothing is written to the
 cache. With one of two cores busy, the timing once sent a layer that is 2x faster when quiet to
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -48,7 +50,7 @@ from ..format24 import pack
 
 __all__ = ["measure_cpu", "sparse_range", "sparse_ladder", "measure_ladder", "Ladder", "walk", "judge", "plausible",
            "bytes_bound", "layer_timer", "max_tokens_of", "provenance", "CPU_LADDER", "CEILING_RATIO", "time_pair",
-           "time_series", "rotation"]
+           "time_series", "Series", "run_delay", "rotation"]
 
 #: token counts tried when the graph's token count is dynamic
 CPU_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -60,7 +62,7 @@ COLD_BYTES = 64 * 2**20
 MAX_COPIES = 8
 #: the timing method's version, part of the decision cache's key: a change here re-times every shape
 #: (3: a noisy rung is timed again on every layer size and route, a loss is confirmed, ratios above
-#: CEILING_RATIO cannot be right)
+#: CEILING_RATIO cannot be right, a series timed while the process waited for a CPU is not believed)
 TIMING_METHOD = 3
 #: times a rung whose result cannot be right (or is not settled) is timed again before the bytes decide it
 RETRIES = 3
@@ -89,10 +91,45 @@ CEILING_RATIO = 10.0
 #: quiet enough to believe even where the ratio sits near the margin (a measured tie: not clearly
 #: faster); a wider one is believed only where the ratio is farther from the margin than the spread
 QUIET_SPREAD = 0.1
+#: a series during which this process's threads waited for a CPU more than this fraction of its wall
+#: time (summed over threads) was timed on a busy machine, whatever its spread: sustained load shifts
+#: every call alike (a 2-core Zen 3 at load average 6-8: the threads waited 1.7-1.9x the wall time,
+#: and the kernel that is 2x faster at 2 tokens when quiet measured 4-17x there)
+BUSY_MAX = 0.25
 
 
-def time_series(first, second, budget: float = RUNG_BUDGET) -> tuple[list[float], list[float]]:
-    """Seconds of each call of ``first()`` and ``second()``, called alternately (so both see the same machine)."""
+class Series(tuple):
+    """``(dense seconds, sparse seconds)`` of one series of calls, and ``busy``: the seconds this
+    process's threads waited for a CPU during it (summed over threads, :func:`run_delay`) over its
+    wall time; 0 where unknown."""
+
+    def __new__(cls, first, second, busy: float = 0.0):
+        series = super().__new__(cls, (first, second))
+        series.busy = float(busy)
+        return series
+
+
+def run_delay() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU, summed (Linux's
+    ``/proc/self/task/*/schedstat``); None where the kernel keeps no such count."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    total, read = 0, False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+            read = True
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9 if read else None
+
+
+def time_series(first, second, budget: float = RUNG_BUDGET) -> Series:
+    """Seconds of each call of ``first()`` and ``second()``, called alternately (so both see the same
+    machine), and how much of the series this process's threads waited for a CPU (:class:`Series`)."""
     for fn in (first, second):
         fn()
     start = time.perf_counter()
@@ -101,12 +138,15 @@ def time_series(first, second, budget: float = RUNG_BUDGET) -> tuple[list[float]
     once = time.perf_counter() - start
     reps = max(5, min(31, int(budget / max(once, 1e-6))))
     a, b = [], []
+    waited, began = run_delay(), time.perf_counter()
     for _ in range(reps):
         for fn, out in ((first, a), (second, b)):
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
-    return a, b
+    wall, after = time.perf_counter() - began, run_delay()
+    busy = (after - waited) / wall if waited is not None and after is not None and wall > 0 else 0.0
+    return Series(a, b, busy=max(busy, 0.0))
 
 
 def time_pair(first, second, budget: float = RUNG_BUDGET) -> tuple[float, float]:
@@ -201,7 +241,9 @@ def walk(ladder, measure, out_f: int, in_f: int, dtype: torch.dtype, retries: in
     one that is not clearly faster ends it once :data:`CONFIRM_LOSS` settled series say so (a loss
     decides every larger count, and noise makes losses far more often than wins); a series that cannot be right or
     is not settled (:func:`judge`: below the floor, above :data:`CEILING_RATIO` on the compile route,
-    spreads wider than the decision's distance) is timed again. A rung still unsettled after
+    spreads wider than the decision's distance; or timed while the process's threads waited for a
+    CPU more than :data:`BUSY_MAX` of the time, where ``measure`` says so: a :class:`Series`) is
+    timed again. A rung still unsettled after
     ``1 + retries`` series is left to the bytes (sparse where they make the kernel the faster one,
     else the ladder ends) and the ladder's source is ``"bytes"``, the reason in its note."""
     ceiling = math.inf if packed_only else CEILING_RATIO
@@ -211,7 +253,12 @@ def walk(ladder, measure, out_f: int, in_f: int, dtype: torch.dtype, retries: in
         floor, bytes_win = plausible(out_f, in_f, dtype, tokens)
         losses, seen, clear = [], [], None
         for _ in range(1 + retries):
-            ratio, won, doubt = judge(tokens, *measure(tokens), floor, bytes_win, ceiling)
+            series = measure(tokens)
+            ratio, won, doubt = judge(tokens, *series, floor, bytes_win, ceiling)
+            busy = getattr(series, "busy", 0.0)
+            if doubt is None and busy > BUSY_MAX:
+                won, doubt = False, (f"{ratio:.2f}x at {tokens} tokens while this process's threads waited for a "
+                                     f"CPU {busy:.0%} of the time (the machine was busy)")
             seen.append(doubt)
             if doubt is None and won:
                 clear = True
