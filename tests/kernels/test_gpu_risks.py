@@ -211,7 +211,7 @@ def silent_pruning(device, recipes=RECIPES, kernel: str = "cusparselt") -> list[
 
 
 def post_grad_passes(device) -> list[dict]:
-    from nmcompile.kernels.deploy_op import CacheKeyPass
+    from nmcompile.backends.inductor_cache import CacheKeyPass
 
     class Counting(CacheKeyPass):  # the user's pass: counts its calls
         calls = 0

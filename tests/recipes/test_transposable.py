@@ -114,7 +114,7 @@ def weights(kind, shape, gen):
 
 
 def test_2_4_table_is_all_90_patterns():
-    table = tpx._pattern_table(2, 4)
+    table = tpx.pattern_table(2, 4)
     assert table.shape == (90, 16)
     rows = {tuple(p.tolist()) for p in table.int()}
     assert len(rows) == 90, "patterns repeat"
@@ -128,7 +128,7 @@ def test_2_4_table_is_all_90_patterns():
 
 def test_2_4_exact_reaches_every_pattern():
     # a tile equal to a pattern has that pattern as its unique optimum (8 against at most 7)
-    table = tpx._pattern_table(2, 4).reshape(-1, 4, 4)
+    table = tpx.pattern_table(2, 4).reshape(-1, 4, 4)
     w = torch.cat(list(table.float()), dim=1)  # [4, 4 * 90]
     got = transposable_mask(w, 2, 4, "exact")
     assert torch.equal(got, w.bool())
@@ -166,7 +166,7 @@ def test_all_zero_and_low_precision_weights(method):
 def test_ties_are_broken_the_documented_way():
     zero = torch.zeros(4, 4)
     # exact: the first table pattern, rows taking columns (0, 1), (0, 1), (2, 3), (2, 3)
-    first = tpx._pattern_table(2, 4)[0].reshape(4, 4)
+    first = tpx.pattern_table(2, 4)[0].reshape(4, 4)
     assert torch.equal(transposable_mask(zero, 2, 4, "exact"), first)
     assert first[:, :2].all(1).tolist() == [True, True, False, False]
     # greedy: row-major visiting order, the same picture
@@ -261,7 +261,7 @@ def test_greedy_repairs_a_stuck_tile():
 def test_weak_repair_falls_back_to_exact(monkeypatch):
     # sabotage the repair (the lightest valid mask instead); the half-optimum check must catch it
     def lightest(a, keep, row_used, col_used, n):
-        return tp._exact_tiles(a.amax((1, 2), keepdim=True) - a, n)
+        return tp.exact_tiles(a.amax((1, 2), keepdim=True) - a, n)
 
     monkeypatch.setattr(tp, "_repair", lightest)
     w = torch.randn(64, 64, generator=torch.Generator().manual_seed(9))
