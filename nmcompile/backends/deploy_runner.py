@@ -6,10 +6,12 @@ sparse layer's compressed weight to the inputs. Weights are compressed when the 
 compiled and again when a weight changes, or when another instance of the model class runs
 through the same graph. A change is seen through the tensor's version counter (in-place writes:
 ``load_state_dict``, ``w.copy_`` under ``no_grad``), its data pointer (``w.data = t``,
-``torch.nn.utils.vector_to_parameters``), and, for CPU weights, a sample of two positions per
-row compared at each call: a write through ``w.data`` counts no version (PyTorch gives ``.data``
-a counter of its own), so ``w.data.copy_(t)`` is found by its values; one that changes none of
-the sampled positions is not seen.
+``torch.nn.utils.vector_to_parameters``), and, for CPU weights, a sample of :data:`SAMPLED_ROWS`
+rows (two positions each, spread over the rows and columns) compared at each call: a write through
+``w.data`` counts no version (PyTorch gives ``.data`` a counter of its own), so ``w.data.copy_(t)``
+is found by its values; one that changes none of the sampled positions is not seen. The sample is
+small because it is read at every call of every layer: two positions of every row cost a
+GPT-2-shaped decode (8 layers of width 1024, one token) 0.13-0.18 ms a layer, 8-9% of its time.
 """
 
 from __future__ import annotations
@@ -69,13 +71,18 @@ class DeployRunner:
         return self.compiled(*inputs)
 
 
+#: rows of a CPU weight whose values are compared at each call (two positions each)
+SAMPLED_ROWS = 16
+
+
 def _sample_index(weight: torch.Tensor) -> torch.Tensor | None:
-    """Flat (row-major) indices of two positions per row of ``weight``, spread over its columns; None
+    """Flat (row-major) indices of two positions in each of :data:`SAMPLED_ROWS` rows of ``weight``
+    spread over its rows (every row of a smaller weight), the positions spread over its columns; None
     off the CPU (reading them back would wait for the device at every call)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not weight.numel() or not torch._C._has_storage(weight):
         return None  # (a tensor subclass without storage, e.g. a sharded one, is followed by its version only)
     rows, cols = weight.shape
-    row = torch.arange(rows, dtype=torch.int64)
+    row = torch.linspace(0, rows - 1, min(rows, SAMPLED_ROWS)).round().to(torch.int64)
     first = (row * 7919 + 13) % cols
     return torch.cat([row * cols + first, row * cols + (first + cols // 2) % cols])
 

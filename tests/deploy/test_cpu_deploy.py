@@ -287,3 +287,16 @@ def test_a_forced_kernel_that_cannot_take_a_layer_names_it_and_the_fix():
     torch._dynamo.reset()
     rewritten_calls(model, torch.randn(3, 20), deploy_kernel="auto")  # the fix it names compiles
     assert nmcompile.deploy_report(model)["0.weight"].kernel == "dense"
+
+
+def test_the_weight_sample_read_at_each_call_is_small_and_spread():
+    from nmcompile.backends.deploy_runner import SAMPLED_ROWS, _sample_index
+
+    rows, cols = 4096, 1024
+    index = _sample_index(torch.zeros(rows, cols))
+    assert index.numel() == 2 * SAMPLED_ROWS  # read at every call of every layer: not two per row
+    sampled_rows = sorted(set((index // cols).tolist()))
+    assert len(sampled_rows) == SAMPLED_ROWS and sampled_rows[0] == 0 and sampled_rows[-1] == rows - 1
+    assert len(set((index % cols).tolist())) == 2 * SAMPLED_ROWS  # columns spread too
+    small = _sample_index(torch.zeros(5, 64))
+    assert sorted(set((small // 64).tolist())) == [0, 1, 2, 3, 4]  # every row of a small weight

@@ -1,7 +1,12 @@
-// How the 2:4 CPU GEMM's row groups are shared between threads: claimed in small chunks from one
-// counter as each thread finishes its last, so that a thread whose core is busy with another
-// process takes fewer chunks instead of holding every call (a static half each ran 2 threads at
-// 0.4x of 1 thread with one of two cores busy).
+// How the 2:4 CPU GEMM's row groups are shared between threads. Each thread owns a contiguous run of
+// chunks (an even share) and computes it from its start, as a static split would: its value and bit
+// streams stay contiguous and the prefetches ahead land in its own rows. A thread that finishes its
+// run takes chunks from the end of another's, so a thread whose core is busy with another process
+// computes fewer chunks instead of holding every call (a static half each ran 2 threads at 0.4x of 1
+// thread with one of two cores busy). One shared counter of small chunks did that too, but on quiet
+// cores it cost the GPT-2-shaped decode 7-25% (8 layers of width 1024, fp32, 2 threads, Zen 3): a
+// chunk there is one or two row groups of 32 KB, so each thread's streams broke at every chunk and
+// the 32 KB prefetch ahead fetched rows the other thread computed (benchmarks/cpu/ab_decode.py).
 //
 // Which threads: PyTorch's OpenMP team, as long as it keeps up. Its idle threads spin between
 // regions, so a team that just ran (the kernel's previous call, a dense op) starts at once: in a
@@ -17,9 +22,13 @@
 // on 2 threads this way, 1.4-2.5x with either split on OpenMP alone (indicative: a machine shared
 // with other jobs).
 //
-// Waiting for the others (a chunk they hold, or, on OpenMP, their arrival), a thread spins for about
-// one chunk's time (20 to 200 us), then sleeps on a futex: its core falls idle, and Linux's idle
-// balancing can move a thread that waits for the busy core onto it.
+// Waiting for the others (a chunk they hold, or, on OpenMP, their arrival), a thread spins for as
+// long as the call has run so far (50 us to 1 ms), then sleeps on a futex: its core falls idle, and
+// Linux's idle balancing can move a thread that waits for the busy core onto it. Measured in the
+// GPT-2-shaped decode above (per kernel call, as a fraction of the dense output head's GEMV in the
+// same profile, to take out the machine's drift): one shared counter with a spin of one chunk's time
+// (20 to 200 us) 1.19; own runs with that spin 0.90; own runs with this spin 0.87-0.90; a static
+// split 0.89-1.05; the kernel before the dynamic split 0.86-0.95.
 #pragma once
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -52,10 +61,10 @@ struct SplitProbe {
 
 // a thread takes at least this many groups (small layers stay on one thread)
 constexpr int64_t kMinGroupsPerThread = 8;
-// chunks per thread on an even split: an uneven end costs at most one chunk's time
+// chunks per thread's run: a thread that takes from another's run waits at most one chunk's time
 constexpr int64_t kChunksPerThread = 32;
-// how long a thread with nothing left spins before it sleeps (one chunk's time, within these)
-constexpr std::chrono::microseconds kMinSpin{20}, kMaxSpin{200};
+// how long a thread with nothing left spins before it sleeps (the call's time so far, within these)
+constexpr std::chrono::microseconds kMinSpin{50}, kMaxSpin{1000};
 // an OpenMP call whose caller waited this long for its team (on quiet cores, at most about a chunk)
 // sends the next kPoolCalls calls to the pool
 constexpr std::chrono::microseconds kLateWait{500};
@@ -81,11 +90,28 @@ inline void wait_for(std::atomic<int>& count, int target, std::atomic<int>& slee
   sleepers.fetch_sub(1);
 }
 
-// about one chunk's time of a call that has run for `elapsed`, within kMinSpin and kMaxSpin
-inline SplitClock::duration chunk_spin(SplitClock::duration elapsed) {
-  return std::min<SplitClock::duration>(std::max<SplitClock::duration>(elapsed / (2 * kChunksPerThread), kMinSpin),
-                                        kMaxSpin);
+// the spin of a thread that waits after a call has run for `elapsed`: as long again, within kMinSpin
+// and kMaxSpin
+inline SplitClock::duration call_spin(SplitClock::duration elapsed) {
+  return std::min<SplitClock::duration>(std::max<SplitClock::duration>(elapsed, kMinSpin), kMaxSpin);
 }
+
+// one thread's run of chunks [lo, hi) in one word: its owner takes lo, the others take hi - 1
+struct alignas(64) ChunkRun {
+  std::atomic<uint64_t> span{0};
+  static uint64_t of(uint32_t lo, uint32_t hi) { return static_cast<uint64_t>(hi) << 32 | lo; }
+  // the next chunk from the start (owner) or the end (another thread), or -1 when the run is empty
+  int take(bool from_start) {
+    uint64_t s = span.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t lo = static_cast<uint32_t>(s), hi = static_cast<uint32_t>(s >> 32);
+      if (lo >= hi) return -1;
+      const uint64_t next = from_start ? of(lo + 1, hi) : of(lo, hi - 1);
+      if (span.compare_exchange_weak(s, next, std::memory_order_acq_rel, std::memory_order_relaxed))
+        return static_cast<int>(from_start ? lo : hi - 1);
+    }
+  }
+};
 
 // one call's chunks; on the pool it is shared with the helper tasks, which may start after the
 // call has returned: then they find no chunk left and touch nothing else
@@ -94,19 +120,37 @@ struct SplitJob {
   Nm24Args a;
   int64_t groups, per_chunk;
   int chunks;
+  int64_t workers;
   SplitProbe* probe;
-  std::atomic<int> next{0}, done{0}, sleepers{0};
+  std::unique_ptr<ChunkRun[]> runs;  // one per worker: an even share of the chunks, in order
+  std::atomic<int> done{0}, sleepers{0};
+
+  void share(int64_t n_workers) {
+    workers = n_workers;
+    runs.reset(new ChunkRun[n_workers]);
+    for (int64_t w = 0; w < n_workers; ++w)
+      runs[w].span.store(ChunkRun::of(static_cast<uint32_t>(chunks * w / n_workers),
+                                      static_cast<uint32_t>(chunks * (w + 1) / n_workers)),
+                         std::memory_order_relaxed);
+  }
 };
 
-// claims and computes chunks until none is left; `me`: 0 the caller, 1.. the others
+inline void nm24_chunk(SplitJob& job, int64_t me, int c) {
+  if (job.probe && me == job.probe->slow_thread)
+    std::this_thread::sleep_for(std::chrono::microseconds(job.probe->slow_us));
+  const int64_t g0 = c * job.per_chunk, g1 = std::min(job.groups, g0 + job.per_chunk);
+  job.rows(job.a, g0 * NM24_GROUP, g1 * NM24_GROUP);
+  if (job.probe) ++job.probe->chunks[me];
+  if (job.done.fetch_add(1) + 1 == job.chunks && job.sleepers.load() > 0) futex_wake_all(&job.done);
+}
+
+// computes its own run from the start, then takes chunks from the end of the others' runs until
+// none is left; `me`: 0 the caller, 1.. the others
 inline void nm24_work(SplitJob& job, int64_t me) {
-  for (int c = job.next.fetch_add(1); c < job.chunks; c = job.next.fetch_add(1)) {
-    if (job.probe && me == job.probe->slow_thread)
-      std::this_thread::sleep_for(std::chrono::microseconds(job.probe->slow_us));
-    const int64_t g0 = c * job.per_chunk, g1 = std::min(job.groups, g0 + job.per_chunk);
-    job.rows(job.a, g0 * NM24_GROUP, g1 * NM24_GROUP);
-    if (job.probe) ++job.probe->chunks[me];
-    if (job.done.fetch_add(1) + 1 == job.chunks && job.sleepers.load() > 0) futex_wake_all(&job.done);
+  for (int c = job.runs[me].take(true); c >= 0; c = job.runs[me].take(true)) nm24_chunk(job, me, c);
+  for (int64_t i = 1; i < job.workers; ++i) {
+    ChunkRun& other = job.runs[(me + i) % job.workers];
+    for (int c = other.take(false); c >= 0; c = other.take(false)) nm24_chunk(job, me, c);
   }
 }
 
@@ -137,14 +181,14 @@ inline SplitClock::duration split_openmp(SplitJob& job, int64_t workers) {
   SplitClock::duration waited{0};
   const SplitClock::time_point start = SplitClock::now();
   at::parallel_for(0, workers, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t me = at::get_thread_num();
-    nm24_work(job, me);
+    const int64_t me = t0;  // one id a thread while the team has `workers` threads
+    for (int64_t id = t0; id < t1; ++id) nm24_work(job, id);
     const int ids = static_cast<int>(t1 - t0);
     if (arrived.fetch_add(ids) + ids == team) {
       if (sleepers.load() > 0) futex_wake_all(&arrived);
     } else {
       const SplitClock::time_point idle = SplitClock::now();
-      wait_for(arrived, team, sleepers, chunk_spin(idle - start));
+      wait_for(arrived, team, sleepers, call_spin(idle - start));
       if (me == 0) waited = SplitClock::now() - idle;
     }
   });
@@ -159,7 +203,7 @@ inline void split_pool(const std::shared_ptr<SplitJob>& job, int64_t workers) {
   for (int64_t helper = 1; helper < workers; ++helper) at::launch([job, helper] { nm24_work(*job, helper); });
   const SplitClock::time_point start = SplitClock::now();
   nm24_work(*job, 0);
-  wait_for(job->done, job->chunks, job->sleepers, chunk_spin(SplitClock::now() - start));
+  wait_for(job->done, job->chunks, job->sleepers, call_spin(SplitClock::now() - start));
 }
 
 // row groups [0, groups) through rows(a, r0, r1) on at::get_num_threads() threads at most
@@ -182,6 +226,7 @@ inline void nm24_split(Nm24Rows rows, const Nm24Args& a, int64_t groups, SplitPr
   job->per_chunk = std::max<int64_t>(1, groups / (workers * kChunksPerThread));
   job->chunks = static_cast<int>((groups + job->per_chunk - 1) / job->per_chunk);
   job->probe = probe;
+  job->share(workers);
   std::atomic<int>& left = pool_calls_left();
   const bool pool = probe && probe->route >= 0 ? probe->route == 2 : left.load(std::memory_order_relaxed) > 0;
   if (probe) probe->route = pool ? 2 : 1;
