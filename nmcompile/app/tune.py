@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from ..declare.defaults import default_reason
 from ..kernels import cpu24
+from ..kernels.dispatch import RATIO_BASELINE, format_ratios
 from ..kernels.dispatch import cache as decision_cache
 from ..kernels.dispatch.cpu import CPU_LADDER, max_tokens_of, measure_ladder
 
@@ -140,14 +141,14 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
 
 
 def format_table(rows: list[Tuned], skipped: dict[str, str]) -> str:
-    head = ("shape [out, in]", "bias", "dtype", "threads", "route", "layers", "sparse for tokens", "dense/sparse time",
+    head = ("shape [out, in]", "bias", "dtype", "threads", "route", "layers", "sparse for tokens", RATIO_BASELINE,
             "cache")
     lines = []
     for r in rows:
         span = "none" if r.max_tokens == 0 else f"{r.ratios[0][0]} to {r.max_tokens}"
         lines.append((f"[{r.out_features}, {r.in_features}]", "yes" if r.bias else "no",
                       str(r.dtype).replace("torch.", ""), str(r.threads), r.route, str(r.layers), span,
-                      " ".join(f"{t}:{x:.2f}x" for t, x in r.ratios), r.stored))
+                      format_ratios(r.ratios), r.stored))
     widths = [max(len(str(c)) for c in column) for column in zip(head, *lines)]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *lines)]
     written = sum(r.stored == "stored" for r in rows)

@@ -51,7 +51,7 @@ def test_tune_times_each_distinct_shape_once_and_a_compile_then_reads_it(llama_d
     for o, i in shapes:
         assert f"[{o}, {i}]" in out
     assert "[256, 64]" not in out and "left out (1): lm_head: kept dense by default: an output head" in out
-    assert "1 to 4" in out and "1:2.00x 2:2.00x 4:2.00x 8:0.50x" in out and out.count("stored") == 8
+    assert "1 to 4" in out and "at 1 token: 2.00x, at 2 tokens: 2.00x, at 4 tokens: 2.00x, at 8 tokens: 0.50x" in out and out.count("stored") == 8
     assert len(list((decision_cache.cache_root() / "cpu24").glob("*.json"))) == 8
     assert f"measured on: {decision_cache.describe_cpu(decision_cache.cpu_identity())}" in out
 

@@ -261,3 +261,13 @@ def test_the_real_timer_says_how_long_the_process_waited_for_a_cpu():
     assert len(dense) == len(sparse) >= 5 and series.busy >= 0.0
     waited = cpu_dispatch.run_delay()
     assert waited is None or waited >= 0.0  # None where the kernel keeps no schedstat
+
+
+def test_a_ladder_is_written_in_tokens_never_as_n_colon_m():
+    from nmcompile.kernels.dispatch import RATIO_BASELINE, Decision, format_ratios
+
+    assert format_ratios([(1, 27.5), (2, 3.0), (8, 0.5)]) == "at 1 token: 27.50x, at 2 tokens: 3.00x, at 8 tokens: 0.50x"
+    decision = Decision("cpu24", "timed", max_tokens=2, isa="avx2", ratios=((1, 27.5), (2, 3.0), (8, 0.5)))
+    text = str(decision)
+    assert f"{RATIO_BASELINE} at 1 token: 27.50x" in text and "sparse for 1 to 2 tokens" in text
+    assert "1:27" not in text and "F.linear" in text

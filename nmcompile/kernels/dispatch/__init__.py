@@ -22,7 +22,7 @@ from ... import masks
 from .. import cpu24
 from ..deploy_op import padded_tokens, sparse_linear
 
-__all__ = ["Decision", "qualify", "measure", "kernel_unavailable", "search_unsafe", "time_cuda", "DECISION_ATTR", "MARGIN"]
+__all__ = ["Decision", "qualify", "measure", "format_ratios", "RATIO_BASELINE", "kernel_unavailable", "search_unsafe", "time_cuda", "DECISION_ATTR", "MARGIN"]
 
 DECISION_ATTR = "_nmcompile_kernel"
 #: token counts tried when the graph's token count is dynamic: multiples of 8, the only dense dims
@@ -71,15 +71,25 @@ class Decision:
 
     def __str__(self) -> str:
         if self.ratios:  # the CPU kernel's ladder: the range, then each rung's ratio
-            measured = " ".join(f"{t}:{r:.2f}x" for t, r in self.ratios)
             tokens = f"; sparse for {self.token_range} tokens, dense above" if self.sparse else ""
             if self.sparse and self.max_tokens == 0:
                 tokens = "; slower than dense at every count: each call unpacks the weight for a dense GEMM"
-            return f"{self.kernel}{f' ({self.isa})' if self.isa else ''}: {self.reason}{tokens}; dense/sparse time by tokens {measured}"
+            return (f"{self.kernel}{f' ({self.isa})' if self.isa else ''}: {self.reason}{tokens}; {RATIO_BASELINE} "
+                    f"{format_ratios(self.ratios)}")
         speed = f", {self.speedup:.2f}x measured" if self.speedup else ""
         isa = f" ({self.isa})" if self.isa else ""
         tokens = f", dense below {self.min_tokens} tokens" if self.min_tokens else ""
         return f"{self.kernel}{isa}: {self.reason}{speed}{tokens}"
+
+
+#: what the CPU ladder's ratios compare: the layer's dense GEMM as it would run in its place
+RATIO_BASELINE = "dense F.linear time (same dtype and threads) / sparse time"
+
+
+def format_ratios(ratios) -> str:
+    """A measured ladder's ``(tokens, dense/sparse time)`` rungs in words: ``at 1 token: 2.41x, at 8
+    tokens: 1.10x`` (never ``1:2.41x``, which reads as an N:M pattern)."""
+    return ", ".join(f"at {t} token{'' if t == 1 else 's'}: {r:.2f}x" for t, r in ratios)
 
 
 def qualify(
