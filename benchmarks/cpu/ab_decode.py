@@ -152,7 +152,7 @@ def main() -> int:
             child.wait(timeout=60)
     med = {name: {key: statistics.median(row[key] for row in rows if row["side"] == name)
                   for key in ("dense s", "2:4 s", "speedup")} for name in sides}
-    print(f"\n| code | dense s | 2:4 s | speedup |\n| --- | --- | --- | --- |")
+    print("\n| code | dense s | 2:4 s | speedup |\n| --- | --- | --- | --- |")
     for name in sides:
         print(f"| {label[name]} | {med[name]['dense s']:.3f} | "
               f"{med[name]['2:4 s']:.3f} | {med[name]['speedup']:.2f}x |")

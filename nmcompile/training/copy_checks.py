@@ -17,7 +17,6 @@ from __future__ import annotations
 import warnings
 import weakref
 
-import torch
 from torch import nn
 
 from ..state.records import WeightAnnotation, annotation_of

@@ -16,7 +16,6 @@ from torch import nn
 
 import nmcompile
 from nmcompile.masks.calibration import ALL_EXPERTS, input_rows, to_columns
-from nmcompile.oneshot.solve import NoCalibration
 
 import reference as ref
 from models import AOT, declare
