@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import folders, saving
+from ..checkpoint.layout import PACKED_FILE, RECORD_FILE
 from ..declare.annotate import annotate
 from ..deploy.finalize import finalize
 from ..deploy.inspection import check as check_nm
@@ -339,6 +340,39 @@ def _dtype_of(model) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+def file_role(name: str) -> str:
+    """What a file of a pruned folder is for, and whether a CPU or GPU server needs it."""
+    if name == RECORD:
+        return "this run's record (source, recipe, losses, files): not needed to serve"
+    if name == PACKED_FILE:
+        return ("every 2:4 weight packed, for nmcompile.deploy.load_packed into a model of your own and for "
+                "check; load_pretrained does not read it: not needed to serve")
+    if name == RECORD_FILE:
+        return "ship: the layout record load_pretrained and check read"
+    if name == "model.pt":
+        return "ship: the whole model, its deploy records with it"
+    if name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+        return ("ship: the weights load_pretrained reads (the pruned values, zeros stored; packed=True packs them "
+                "while loading)")
+    return "ship: the model's configuration or tokenizer"
+
+
+def _file_lines(s: PruneSummary) -> list[str]:
+    """Every file written, its size and role, then the bytes to ship against all of them."""
+    sizes = {path: os.path.getsize(path) if os.path.isfile(path) else 0 for path in s.files}
+    record = os.path.join(s.out, RECORD) if s.out else None
+    if record and os.path.isfile(record) and record not in sizes:
+        sizes[record] = os.path.getsize(record)
+    width = max((len(path) for path in sizes), default=0)
+    lines = [f"  wrote {path.ljust(width)}  {size / 2**20:9.1f} MB  {file_role(os.path.basename(path))}"
+             for path, size in sizes.items()]
+    shipped = sum(size for path, size in sizes.items() if file_role(os.path.basename(path)).startswith("ship"))
+    lines.append(f"  to serve (load_pretrained, CPU or GPU): {shipped / 2**20:.1f} MB of the {sum(sizes.values()) / 2**20:.1f} "
+                 "MB written; the weights file holds the pruned weights dense (zeros stored), the same bytes as the "
+                 "dense model's")
+    return lines
+
+
 def format_summary(s: PruneSummary) -> str:
     lines = [
         f"nmcompile prune: {len(s.pruned)} weights pruned {s.recipe} from {s.calibration_tokens} calibration tokens "
@@ -349,7 +383,7 @@ def format_summary(s: PruneSummary) -> str:
     ]
     lines += [f"  ! {note}" for notes in s.fallbacks.values() for note in notes]
     lines += [f"  - {name}: left dense, {why}" for name, why in s.skipped.items()]
-    lines += [f"  wrote {path}" for path in s.files]
+    lines += _file_lines(s)
     if s.out and s.hf:
         lines += [
             "next:",

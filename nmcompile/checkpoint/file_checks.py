@@ -24,13 +24,12 @@ from ..kernels.format24 import META_SUFFIX, packed_dims, packed_record, unpack_s
 from ..pattern import NMPattern
 from ..masks.compliance import CheckReport, check_one, selects
 from .conversions import part_dim
-from .layout import Layout, read_layout
+from .layout import PACKED_FILE, Layout, read_layout
 from .state_dicts import find_state_dict, load_state_dict
 from .weight_files import tensor_sources, weight_files
 
 __all__ = ["check_path", "check_state"]
 
-PACKED_FILE = "model_packed.pt"
 
 
 def _recorded(report: CheckReport, items: Iterable[tuple[str, Callable[[], torch.Tensor]]], layout: Layout,

@@ -43,14 +43,16 @@ from .weight_files import safetensors_metadata
 from .weight_files import weight_files
 
 __all__ = ["Layout", "LayoutWeight", "layout_of", "read_layout", "write_layout", "RECORD_FILE", "METADATA_KEY",
-           "OWN_FILES"]
+           "OWN_FILES", "PACKED_FILE"]
 
 RECORD_FILE = "nmcompile.json"
+#: the state dict with every 2:4 weight packed, beside the weights files (written where they all pack)
+PACKED_FILE = "model_packed.pt"
 #: the key of the record in a safetensors file's metadata (a JSON string)
 METADATA_KEY = "nmcompile"
 FORMAT, VERSION = "nmcompile-layout", 1
 #: the weights files of a saved directory, which its record describes (a file of another name beside it may not)
-OWN_FILES = ("model.safetensors", "model-*-of-*.safetensors", "pytorch_model*.bin", "model.pt", "model_packed.pt")
+OWN_FILES = ("model.safetensors", "model-*-of-*.safetensors", "pytorch_model*.bin", "model.pt", PACKED_FILE)
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,11 @@ from ..pattern import NMPattern
 from ..state import memory
 from ..state.records import root
 from . import conversions, folders
-from .layout import METADATA_KEY, OWN_FILES, RECORD_FILE, Layout, layout_of, write_layout
+from .layout import METADATA_KEY, OWN_FILES, PACKED_FILE, RECORD_FILE, Layout, layout_of, write_layout
 from .weight_files import stamp_safetensors, tensor_sources, weight_files
 
 __all__ = ["save_pretrained", "check_disk", "weight_file", "PACKED_FILE"]
 
-PACKED_FILE = "model_packed.pt"
 #: files of an earlier save that a new save into the same directory replaces or removes
 WEIGHT_FILES = (*OWN_FILES, "model.safetensors.index.json", RECORD_FILE)
 

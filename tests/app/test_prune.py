@@ -55,6 +55,13 @@ def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch)
     assert code == 0, text.err
     assert "8 weights pruned" in text.out and "held-out loss" in text.out
     assert f"nmcompile check {out}" in text.out and f"load_pretrained({str(out)!r}, packed=True)" in text.out
+    # every file listed with its size and whether a server needs it, this run's record too
+    listed = {line.split()[1]: line for line in text.out.splitlines() if line.startswith("  wrote ")}
+    assert set(listed) == {str(p) for p in out.iterdir()}, (listed, list(out.iterdir()))
+    assert "not needed to serve" in listed[str(out / "model_packed.pt")] and " MB " in listed[str(out / "config.json")]
+    assert "not needed to serve" in listed[str(out / "nmcompile-prune.json")]
+    assert listed[str(out / "model.safetensors")].split("MB  ")[1].startswith("ship")
+    assert "to serve (load_pretrained, CPU or GPU): " in text.out
     before, after = (float(v) for v in text.out.split("held-out loss")[1].split("dense ")[1].split(" (ppl")[0:1] +
                      text.out.split("-> pruned ")[1].split(" (ppl")[0:1])
     assert before > 0 and after > 0
@@ -399,3 +406,13 @@ def test_prune_shows_each_phase(tmp_path, capsys, monkeypatch, form, bars):
     where = [err.find(phase) for phase in phases]
     assert -1 not in where and where == sorted(where), (phases, err)
     assert "eta" in err
+
+
+def test_each_file_of_a_pruned_folder_says_whether_a_server_needs_it():
+    from nmcompile.app.prune import file_role
+
+    assert file_role("model_packed.pt").endswith("not needed to serve")
+    assert file_role("nmcompile-prune.json").endswith("not needed to serve")
+    for name in ("nmcompile.json", "model.safetensors", "model-00001-of-00002.safetensors", "config.json",
+                 "tokenizer.json", "model.pt", "model.safetensors.index.json"):
+        assert file_role(name).startswith("ship"), name
