@@ -22,13 +22,14 @@
 // on 2 threads this way, 1.4-2.5x with either split on OpenMP alone (indicative: a machine shared
 // with other jobs).
 //
-// Waiting for the others (a chunk they hold, or, on OpenMP, their arrival), a thread spins for as
-// long as the call has run so far (50 us to 1 ms), then sleeps on a futex: its core falls idle, and
-// Linux's idle balancing can move a thread that waits for the busy core onto it. Measured in the
-// GPT-2-shaped decode above (per kernel call, as a fraction of the dense output head's GEMV in the
-// same profile, to take out the machine's drift): one shared counter with a spin of one chunk's time
-// (20 to 200 us) 1.19; own runs with that spin 0.90; own runs with this spin 0.87-0.90; a static
-// split 0.89-1.05; the kernel before the dynamic split 0.86-0.95.
+// Waiting for the others (a chunk they hold, or, on OpenMP, their arrival), a thread spins for about
+// one chunk's time (20 to 200 us), then sleeps on a futex: its core falls idle, and Linux's idle
+// balancing can move a thread that waits for the busy core onto it. Measured in the GPT-2-shaped
+// decode above (per kernel call, as a fraction of the dense output head's GEMV in the same profile,
+// to take out the machine's drift): one shared counter 1.19; own runs 0.90 (0.87-0.90 with a spin of
+// up to 1 ms, which cost the busy-core case: 4 [4096, 4096] layers, 2 threads 1.02-1.20x of 1
+// thread's time against 0.82x, benchmarks/cpu/cpu_shared_cores.py); a static split 0.89-1.05; the
+// kernel before the dynamic split 0.86-0.95.
 #pragma once
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -63,8 +64,8 @@ struct SplitProbe {
 constexpr int64_t kMinGroupsPerThread = 8;
 // chunks per thread's run: a thread that takes from another's run waits at most one chunk's time
 constexpr int64_t kChunksPerThread = 32;
-// how long a thread with nothing left spins before it sleeps (the call's time so far, within these)
-constexpr std::chrono::microseconds kMinSpin{50}, kMaxSpin{1000};
+// how long a thread with nothing left spins before it sleeps (one chunk's time, within these)
+constexpr std::chrono::microseconds kMinSpin{20}, kMaxSpin{200};
 // an OpenMP call whose caller waited this long for its team (on quiet cores, at most about a chunk)
 // sends the next kPoolCalls calls to the pool
 constexpr std::chrono::microseconds kLateWait{500};
@@ -90,10 +91,10 @@ inline void wait_for(std::atomic<int>& count, int target, std::atomic<int>& slee
   sleepers.fetch_sub(1);
 }
 
-// the spin of a thread that waits after a call has run for `elapsed`: as long again, within kMinSpin
-// and kMaxSpin
-inline SplitClock::duration call_spin(SplitClock::duration elapsed) {
-  return std::min<SplitClock::duration>(std::max<SplitClock::duration>(elapsed, kMinSpin), kMaxSpin);
+// about one chunk's time of a call that has run for `elapsed`, within kMinSpin and kMaxSpin
+inline SplitClock::duration chunk_spin(SplitClock::duration elapsed) {
+  return std::min<SplitClock::duration>(std::max<SplitClock::duration>(elapsed / (2 * kChunksPerThread), kMinSpin),
+                                        kMaxSpin);
 }
 
 // one thread's run of chunks [lo, hi) in one word: its owner takes lo, the others take hi - 1
@@ -188,7 +189,7 @@ inline SplitClock::duration split_openmp(SplitJob& job, int64_t workers) {
       if (sleepers.load() > 0) futex_wake_all(&arrived);
     } else {
       const SplitClock::time_point idle = SplitClock::now();
-      wait_for(arrived, team, sleepers, call_spin(idle - start));
+      wait_for(arrived, team, sleepers, chunk_spin(idle - start));
       if (me == 0) waited = SplitClock::now() - idle;
     }
   });
@@ -203,7 +204,7 @@ inline void split_pool(const std::shared_ptr<SplitJob>& job, int64_t workers) {
   for (int64_t helper = 1; helper < workers; ++helper) at::launch([job, helper] { nm24_work(*job, helper); });
   const SplitClock::time_point start = SplitClock::now();
   nm24_work(*job, 0);
-  wait_for(job->done, job->chunks, job->sleepers, call_spin(SplitClock::now() - start));
+  wait_for(job->done, job->chunks, job->sleepers, chunk_spin(SplitClock::now() - start));
 }
 
 // row groups [0, groups) through rows(a, r0, r1) on at::get_num_threads() threads at most
