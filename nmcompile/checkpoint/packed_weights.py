@@ -27,6 +27,7 @@ from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
 from ..kernels.format24 import (DAMAGED_HINT, META_SUFFIX, Packed24, packed_record, lost_metadata, pack, packed_dims,
                                unpack)
+from ..kernels.cpu24.quantize import quantize_layout
 from ..kernels.cpu24.weight import RANGE_ATTR, PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -88,7 +89,21 @@ def is_trainable(param: torch.Tensor) -> bool:
     return bool(getattr(param, TRAINABLE_ATTR, param.requires_grad))
 
 
-def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decision]:
+#: what ``pack_weights(bits=...)`` takes: None keeps the weight's own dtype for the kept values
+BITS = (None, 8)
+#: the reason of a weight packed with int8 values; its token range is the float kernel's on its shape
+INT8_REASON = "packed only, int8 values (token range: the float kernel's on this shape)"
+
+
+def _quantized(weight: PackedLinearWeight) -> PackedLinearWeight:
+    """``weight`` (float values) with its kept values as int8 codes and per-row scales (:mod:`~nmcompile.kernels.
+    cpu24.quantize`), computing in its dtype."""
+    codes, scales = quantize_layout(weight.values, weight.weight_shape[0])
+    return PackedLinearWeight(codes, weight.bits, weight.weight_shape, weight.max_tokens,
+                              cpu24.best_isa(torch.int8) or weight.isa, weight.transposed, scales, weight.dtype)
+
+
+def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = None) -> dict[str, Decision]:
     """Hold every finalized 2:4 linear weight of ``model`` packed only; ``{name: decision}`` of each.
 
     A weight is packed when its record (from :func:`nmcompile.finalize`) says 2:4 along its
@@ -99,8 +114,19 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
     the weight for the call. Without ``measure`` the kernel takes every token count. Tied weights
     are packed once. Idempotent. A later conversion of the model to another of the kernel's dtypes
     (``model.to(torch.bfloat16)``) decides each range again for that dtype (:class:`RangeRule`).
+
+    ``bits=8``: the kept values as int8 codes, one symmetric fp32 scale per output row (round to nearest;
+    :mod:`nmcompile.kernels.cpu24.quantize`), about 5 bits a weight; the layer still computes in its dtype
+    (activations and output), the products on the codes in fp32, each row's sum scaled once. Weights packed
+    already are quantized where they hold float values; ``bits=None`` never dequantizes int8 ones
+    (:func:`unpack_weights` does). Their token range is the float kernel's on the same shape, as
+    :data:`INT8_REASON` says. A model holding int8 values cannot be saved packed yet (refused by name).
     """
+    if bits not in BITS:
+        raise ValueError(f"nmcompile.deploy.pack_weights: bits={bits!r} is not supported; bits=8 holds the kept values "
+                         "as int8 with a scale per row, bits=None (the default) in the weight's own dtype")
     state = cpu24.status()
+    rule_reason = INT8_REASON if bits == 8 else "packed only"
     out: dict[str, Decision] = {}
     for name, places in owners(model):
         _, module, pname = places[0]
@@ -109,6 +135,14 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
         if record is None:
             continue
         if isinstance(param, PackedLinearWeight):
+            if bits == 8 and not param.quantized:
+                tensor = _quantized(param)
+                decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure,
+                                     rule_reason).decide(tensor)
+                for _, holder, attr in places:
+                    set_packed(holder, attr, tensor, decision, is_trainable(param))
+                out[name] = decision
+                continue
             out[name] = getattr(param, DECISION_ATTR, Decision("cpu24", "packed"))
             continue
         why = None
@@ -128,9 +162,11 @@ def pack_weights(model: nn.Module, *, measure: bool = True) -> dict[str, Decisio
             out[name] = Decision("dense", why)
             continue
         packed = pack(weight)
-        values, bits = cpu24.cpu_layout(packed.values, packed.meta)
-        tensor = PackedLinearWeight(values, bits, tuple(weight.shape), -1, cpu24.best_isa(weight.dtype), transposed)
-        decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure).decide(tensor)
+        values, kept_bits = cpu24.cpu_layout(packed.values, packed.meta)
+        tensor = PackedLinearWeight(values, kept_bits, tuple(weight.shape), -1, cpu24.best_isa(weight.dtype), transposed)
+        if bits == 8:
+            tensor = _quantized(tensor)
+        decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure, rule_reason).decide(tensor)
         for _, holder, attr in places:
             set_packed(holder, attr, tensor, decision, param.requires_grad)
         out[name] = decision

@@ -12,7 +12,8 @@
 
 constexpr int NM24_GROUP = 8;
 
-enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2 };
+// NM24_I8: int8 values of a row scaled by scales[row] (fp32; applied once to the row's fp32 sum)
+enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2, NM24_I8 = 3 };
 
 struct Nm24Args {
   const void* x;          // [tokens, kp] activations, fp32 (bf16 for the bf16-pair kernels)
@@ -26,6 +27,7 @@ struct Nm24Args {
   int64_t panel_bytes;    // activations per token panel (cpu24_op.cpp: a multiple of the L2 size)
   int64_t prefetch_bytes; // how far ahead in a tile's values stream the weight is prefetched (the
                           // bits stream, 16x smaller, a quarter of it; cpu24_op.cpp: by CPU vendor)
+  const float* scales = nullptr;  // [n] per-row scales of int8 values (NM24_I8), else nullptr
 };
 
 using Nm24Rows = void (*)(const Nm24Args&, int64_t, int64_t);

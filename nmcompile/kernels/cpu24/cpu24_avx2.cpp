@@ -1,7 +1,8 @@
 // 2:4 CPU GEMM, AVX2 + FMA + F16C: a word's 16 positions as two ymm halves of 8 fp32 lanes; each
 // half's 4 kept values are placed (zeros elsewhere) by one byte shuffle from a table indexed by the
-// half's 8 position bits (fp32, bf16), or by a lane permute after conversion (fp16).
+// half's 8 position bits (fp32, bf16, int8), or by a lane permute after conversion (fp16).
 #include <cstdint>
+#include <cstring>
 
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
@@ -23,7 +24,11 @@ struct ShuffleTable {
   alignas(64) uint8_t f32[256][32];
   alignas(64) uint8_t bf16[256][32];
   alignas(64) uint8_t bf16_hi[256][32];  // the same, from values 4..7 (bytes 8..15)
-  constexpr ShuffleTable() : f32{}, bf16{}, bf16_hi{} {
+  // int8: value r's byte into the top byte of its lane (an arithmetic shift then sign-extends it);
+  // the second half's values are bytes 4..7
+  alignas(64) uint8_t i8[256][32];
+  alignas(64) uint8_t i8_hi[256][32];
+  constexpr ShuffleTable() : f32{}, bf16{}, bf16_hi{}, i8{}, i8_hi{} {
     for (int m = 0; m < 256; ++m) {
       int rank = 0;
       for (int j = 0; j < 8; ++j) {
@@ -32,6 +37,8 @@ struct ShuffleTable {
           f32[m][4 * j + byte] = static_cast<uint8_t>(kept ? 4 * rank + byte : 0x80);
           bf16[m][4 * j + byte] = static_cast<uint8_t>(kept && byte >= 2 ? 2 * rank + byte - 2 : 0x80);
           bf16_hi[m][4 * j + byte] = static_cast<uint8_t>(kept && byte >= 2 ? 8 + 2 * rank + byte - 2 : 0x80);
+          i8[m][4 * j + byte] = static_cast<uint8_t>(kept && byte == 3 ? rank : 0x80);
+          i8_hi[m][4 * j + byte] = static_cast<uint8_t>(kept && byte == 3 ? 4 + rank : 0x80);
         }
         rank += kept;
       }
@@ -77,6 +84,15 @@ inline Pair place<uint16_t>(const uint16_t* v, unsigned m) {  // bf16
   const __m256i all = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
   return {_mm256_castsi256_ps(_mm256_shuffle_epi8(all, control(kShuffle.bf16, m & 0xFF))),
           _mm256_castsi256_ps(_mm256_shuffle_epi8(all, control(kShuffle.bf16_hi, m >> 8)))};
+}
+template <>
+inline Pair place<int8_t>(const int8_t* v, unsigned m) {  // 8 bytes in every quarter, shuffled, shifted, converted
+  int64_t bytes;
+  std::memcpy(&bytes, v, 8);
+  const __m256i all = _mm256_set1_epi64x(bytes);
+  const __m256i lo = _mm256_srai_epi32(_mm256_shuffle_epi8(all, control(kShuffle.i8, m & 0xFF)), 24);
+  const __m256i hi = _mm256_srai_epi32(_mm256_shuffle_epi8(all, control(kShuffle.i8_hi, m >> 8)), 24);
+  return {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
 }
 inline __m256 permute4(__m128 v, unsigned m) {
   const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPermute.idx[m])));

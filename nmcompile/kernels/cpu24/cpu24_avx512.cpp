@@ -21,6 +21,10 @@ inline __m256 load8<uint16_t>(const uint16_t* p) {  // bf16: the high half of an
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 template <>
+inline __m256 load8<int8_t>(const int8_t* p) {  // int8: sign-extended, converted exactly
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
 inline __m256 load8<Half>(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 template <typename W, int R_, int TT_>

@@ -40,6 +40,7 @@ inline float half_to_float(uint16_t h) {  // IEEE binary16, subnormals included
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline float to_float(Half v) { return half_to_float(v.v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
 
 template <int L>
 struct Vec { float v[L]; };

@@ -80,7 +80,8 @@ inline void nm24_tile(const Nm24Args& a, int64_t row, int64_t t0) {
   for (int r = 0; r < R; ++r) {
     if (row + r >= a.n) break;  // the layout's padding rows
     const float bias = a.bias ? a.bias[row + r] : 0.0f;
-    for (int t = 0; t < TT; ++t) a.out[(t0 + t) * a.n + row + r] = Ops::sum(acc[r][t]) + bias;
+    const float scale = a.scales ? a.scales[row + r] : 1.0f;  // int8 values: the row's scale, once (x * 1 is exact)
+    for (int t = 0; t < TT; ++t) a.out[(t0 + t) * a.n + row + r] = Ops::sum(acc[r][t]) * scale + bias;
   }
 }
 
@@ -116,6 +117,8 @@ inline void nm24_rows_by_dtype(const Nm24Args& a, int64_t r0, int64_t r1) {
     a.tokens == 1 ? nm24_rows<Ops<float, 8, 1>>(a, r0, r1) : nm24_rows<Ops<float, 4, TT>>(a, r0, r1);
   } else if (a.wdtype == NM24_BF16) {
     a.tokens == 1 ? nm24_rows<Ops<uint16_t, 8, 1>>(a, r0, r1) : nm24_rows<Ops<uint16_t, 4, TT>>(a, r0, r1);
+  } else if (a.wdtype == NM24_I8) {
+    a.tokens == 1 ? nm24_rows<Ops<int8_t, 8, 1>>(a, r0, r1) : nm24_rows<Ops<int8_t, 4, TT>>(a, r0, r1);
   } else {
     a.tokens == 1 ? nm24_rows<Ops<Half, 8, 1>>(a, r0, r1) : nm24_rows<Ops<Half, 4, TT>>(a, r0, r1);
   }

@@ -4,6 +4,9 @@
 //     W the [out_features, K] 2:4 weight that values/bits hold (layout: cpu24_args.h). Calls with more than max_tokens rows
 //     (max_tokens >= 0) take the dense GEMM: on `weight` when it is given, else on W unpacked for the
 //     call. isa: "avx512_bf16", "avx512", "avx2", "emulated512", "emulated512_bf16".
+//   cpu24_linear_q8(x, values, bits, scales, bias, out_features, max_tokens, isa): the same with int8 values,
+//     row r scaled by scales[r] (fp32), for fp32, bf16 or fp16 inputs (the output in the input's dtype); calls
+//     above max_tokens take the dense GEMM on W dequantized into the input's dtype for the call. No autograd.
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
 //   cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us, route) -> (out, chunks per
@@ -104,7 +107,8 @@ std::string shape_str(const at::Tensor& t) {
 int wdtype_of(at::ScalarType t) {
   if (t == at::kFloat) return NM24_F32;
   if (t == at::kBFloat16) return NM24_BF16;
-  TORCH_CHECK(t == at::kHalf, "nmsparse::cpu24_linear takes fp32, bf16 or fp16 weights, got ", t);
+  if (t == at::kChar) return NM24_I8;
+  TORCH_CHECK(t == at::kHalf, "nmsparse::cpu24_linear takes fp32, bf16, fp16 or int8 weights, got ", t);
   return NM24_F16;
 }
 
@@ -140,12 +144,24 @@ constexpr RankTable kRank{};
 // branch or a popcount call (this unit targets any x86-64). A branch per position and a popcount per
 // position ran 12-16 ms for a bf16 [8192, 2048] weight on a Zen 5 core: slower than the dense GEMM of
 // 64 tokens it was made for.
-template <typename Raw>
-void unpack_rows(const Raw* v, const uint16_t* b, Raw* d, int64_t words, int64_t r0, int64_t r1) {
+struct Same {
+  template <typename Raw>
+  Raw operator()(Raw v, int64_t) const { return v; }
+};
+
+// int8 values times their row's scale, in the output dtype
+template <typename Out>
+struct Dequant {
+  const float* scales;
+  Out operator()(int8_t v, int64_t r) const { return static_cast<Out>(static_cast<float>(v) * scales[r]); }
+};
+
+template <typename Raw, typename Out = Raw, typename Conv = Same>
+void unpack_rows(const Raw* v, const uint16_t* b, Out* d, int64_t words, int64_t r0, int64_t r1, Conv conv = {}) {
   const int64_t k = words * 16;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t group = r / NM24_GROUP, within = r % NM24_GROUP;
-    Raw* row = d + r * k;
+    Out* row = d + r * k;
     for (int64_t w = 0; w < words; ++w) {
       const int64_t at = (group * words + w) * NM24_GROUP + within;
       const unsigned m = b[at];
@@ -155,9 +171,9 @@ void unpack_rows(const Raw* v, const uint16_t* b, Raw* d, int64_t words, int64_t
       const uint8_t* low = kRank.index[m & 0xFF];
       const uint8_t* high = kRank.index[m >> 8];
       const int before = kRank.count[m & 0xFF];
-      Raw* out = row + w * 16;
-      for (int j = 0; j < 8; ++j) out[j] = word[low[j]];
-      for (int j = 0; j < 8; ++j) out[8 + j] = word[high[j] + before < 8 ? high[j] + before : 8];
+      Out* out = row + w * 16;
+      for (int j = 0; j < 8; ++j) out[j] = conv(word[low[j]], r);
+      for (int j = 0; j < 8; ++j) out[8 + j] = conv(word[high[j] + before < 8 ? high[j] + before : 8], r);
     }
   }
 }
@@ -166,9 +182,12 @@ void unpack_rows(const Raw* v, const uint16_t* b, Raw* d, int64_t words, int64_t
 void unpack_into(const at::Tensor& values, const at::Tensor& bits, int64_t n, at::Tensor& dense) {
   const int64_t words = bits.size(1);
   const uint16_t* b = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
-  const bool wide = wdtype_of(values.scalar_type()) == NM24_F32;  // fp32, bf16 or fp16, else a named error
+  const int wdtype = wdtype_of(values.scalar_type());  // fp32, bf16, fp16 or int8, else a named error
+  const bool wide = wdtype == NM24_F32;
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    if (wide)
+    if (wdtype == NM24_I8)
+      unpack_rows(static_cast<const uint8_t*>(values.data_ptr()), b, static_cast<uint8_t*>(dense.data_ptr()), words, r0, r1);
+    else if (wide)
       unpack_rows(static_cast<const uint32_t*>(values.data_ptr()), b, static_cast<uint32_t*>(dense.data_ptr()), words, r0, r1);
     else
       unpack_rows(static_cast<const uint16_t*>(values.data_ptr()), b, static_cast<uint16_t*>(dense.data_ptr()), words, r0, r1);
@@ -195,6 +214,32 @@ at::Tensor unpacked_for_gemm(const at::Tensor& values, const at::Tensor& bits, i
   }
   auto dense = buffer.narrow(0, 0, bytes).view(values.scalar_type()).view({n, k});
   unpack_into(values, bits, n, dense);
+  return dense;
+}
+
+// the int8 layout dequantized (values times their row's scale) into the kept buffer, in `dtype`: the dense
+// route of cpu24_linear_q8
+at::Tensor dequantized_for_gemm(const at::Tensor& values, const at::Tensor& bits, const at::Tensor& scales,
+                                int64_t n, at::ScalarType dtype) {
+  thread_local at::Tensor buffer;
+  const int64_t k = bits.size(1) * 16, bytes = n * k * at::elementSize(dtype);
+  if (!buffer.defined() || buffer.numel() < bytes) {
+    buffer = at::Tensor();
+    buffer = at::empty({bytes}, values.options().dtype(at::kByte));
+  }
+  auto dense = buffer.narrow(0, 0, bytes).view(dtype).view({n, k});
+  const int64_t words = bits.size(1);
+  const auto* v = static_cast<const int8_t*>(values.data_ptr());
+  const auto* b = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
+  const float* s = scales.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    if (dtype == at::kFloat)
+      unpack_rows(v, b, dense.data_ptr<float>(), words, r0, r1, Dequant<float>{s});
+    else if (dtype == at::kBFloat16)
+      unpack_rows(v, b, dense.data_ptr<at::BFloat16>(), words, r0, r1, Dequant<at::BFloat16>{s});
+    else
+      unpack_rows(v, b, dense.data_ptr<at::Half>(), words, r0, r1, Dequant<at::Half>{s});
+  });
   return dense;
 }
 
@@ -227,7 +272,7 @@ at::Tensor narrowed(const at::Tensor& out) {
 // the 2:4 product of every row of x (no dense fallback); probe: the split's test hook, else null
 at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
                           const c10::optional<at::Tensor>& bias, int64_t n, c10::string_view isa_name,
-                          SplitProbe* probe) {
+                          SplitProbe* probe, const float* scales = nullptr) {
   const int64_t k = bits.size(1) * 16;
   const int64_t tokens = k ? x.numel() / k : 0;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -260,7 +305,7 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
   auto out = at::empty({tokens, n}, x.options().dtype(at::kFloat));
   Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), wdtype_of(values.scalar_type()),
              reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
-             out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes()};
+             out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes(), scales};
   nm24_split(tokens <= kFewTokens && isa.few_tokens ? isa.few_tokens : isa.rows, a, values.size(0), probe);
   return (loops ? narrowed(out) : out.to(x.scalar_type())).view(out_shape);
 }
@@ -286,6 +331,31 @@ at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at:
   return sparse_product(x, values, bits, bias, n, isa_name, nullptr);
 }
 
+at::Tensor cpu24_linear_q8(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+                           const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n,
+                           int64_t max_tokens, c10::string_view isa_name) {
+  check_layout(values, bits, n);
+  TORCH_CHECK(values.scalar_type() == at::kChar, "nmsparse::cpu24_linear_q8 takes int8 values, got ", values.scalar_type(),
+              " (nmsparse::cpu24_linear takes float ones)");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == n && scales.is_contiguous() &&
+                  scales.device().is_cpu(),
+              "nmsparse::cpu24_linear_q8: scales must be a contiguous fp32 CPU tensor [", n, "] (one per output row), got ",
+              shape_str(scales), " ", scales.scalar_type());
+  const int64_t k = bits.size(1) * 16;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "nmsparse::cpu24_linear_q8: input ", shape_str(x),
+              " does not match the weight's in_features ", k);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "nmsparse::cpu24_linear_q8 takes fp32, bf16 or fp16 inputs, got ", dtype);
+  TORCH_CHECK(isa_name != "avx512_bf16" && isa_name != "emulated512_bf16",
+              "nmsparse::cpu24_linear_q8: isa '", std::string(isa_name), "' multiplies bf16 pairs; int8 values take "
+              "avx2, avx512 or emulated512");
+  const int64_t tokens = k ? x.numel() / k : 0;
+  if (max_tokens >= 0 && tokens > max_tokens)  // the measured range ends here: dense GEMM
+    return at::linear(x, dequantized_for_gemm(values, bits, scales, n, dtype), bias);
+  return sparse_product(x, values, bits, bias, n, isa_name, nullptr, scales.data_ptr<float>());
+}
+
 // cpu24_linear's sparse product with thread `slow_thread` (0 the caller, 1.. the others) sleeping
 // slow_us before each chunk it claims, on `route` (-1 as a real call decides, 1 the OpenMP team, 2
 // the inter-op pool); returns the output, the chunks each thread computed, the route taken (0 one
@@ -309,6 +379,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> cpu24_split_probe(const at:
 
 TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
   m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
+  m.def("cpu24_linear_q8(Tensor x, Tensor values, Tensor bits, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
   m.def("cpu24_isa() -> int");
   m.def("cpu24_split_probe(Tensor x, Tensor values, Tensor bits, int out_features, str isa, int slow_thread, int slow_us, int route) -> (Tensor, Tensor, int, int)");
@@ -316,6 +387,7 @@ TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
 
 TORCH_LIBRARY_IMPL(nmsparse, CPU, m) {
   m.impl("cpu24_linear", cpu24_linear);
+  m.impl("cpu24_linear_q8", cpu24_linear_q8);
   m.impl("cpu24_unpack", cpu24_unpack);
   m.impl("cpu24_split_probe", cpu24_split_probe);
 }

@@ -46,17 +46,31 @@ RANGE_ATTR = "_nmcompile_range"
 class PackedLinearWeight(Tensor):
     values: Tensor
     bits: Tensor
+    scales: Tensor | None
 
     @staticmethod
-    def __new__(cls, values: Tensor, bits: Tensor, shape, max_tokens: int = -1, isa: str = "", transposed: bool = False):
+    def __new__(cls, values: Tensor, bits: Tensor, shape, max_tokens: int = -1, isa: str = "", transposed: bool = False,
+                scales: Tensor | None = None, dtype: torch.dtype | None = None):
         out_f, in_f = shape
         outer = (in_f, out_f) if transposed else (out_f, in_f)
-        return Tensor._make_wrapper_subclass(cls, outer, dtype=values.dtype, device=values.device, requires_grad=False)
+        if (scales is None) != (values.dtype != torch.int8) or (scales is not None and dtype not in cpu24.DTYPES):
+            raise ValueError(f"PackedLinearWeight: int8 values need fp32 scales and the activation dtype (one of "
+                             f"{cpu24.DTYPES}), float values neither; got {values.dtype} values, scales "
+                             f"{None if scales is None else scales.dtype}, dtype {dtype}")
+        dtype = values.dtype if scales is None else dtype
+        return Tensor._make_wrapper_subclass(cls, outer, dtype=dtype, device=values.device, requires_grad=False)
 
-    def __init__(self, values, bits, shape, max_tokens: int = -1, isa: str = "", transposed: bool = False):
-        self.values, self.bits = values, bits
+    def __init__(self, values, bits, shape, max_tokens: int = -1, isa: str = "", transposed: bool = False,
+                 scales=None, dtype=None):
+        self.values, self.bits, self.scales = values, bits, scales
         self.weight_shape = tuple(int(s) for s in shape)  # [out, in] of the weight it holds
         self.max_tokens, self.isa, self.transposed = int(max_tokens), isa, transposed
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the kept values are int8 codes with per-row fp32 ``scales`` (:mod:`.quantize`); the
+        tensor's dtype is then the activation dtype it computes in."""
+        return self.scales is not None
 
     @classmethod
     def from_packed(cls, values: Tensor, meta: Tensor, max_tokens: int = -1, isa: str = "") -> "PackedLinearWeight":
@@ -65,24 +79,28 @@ class PackedLinearWeight(Tensor):
         return cls(v, b, (values.shape[0], values.shape[1] * 2), max_tokens, isa or cpu24.best_isa(values.dtype) or "")
 
     def __repr__(self) -> str:
-        t = ", transposed" if self.transposed else ""
+        t = (", transposed" if self.transposed else "") + (", values=int8" if self.quantized else "")
         return (f"PackedLinearWeight(shape={list(self.weight_shape)}, dtype={self.dtype}, "
                 f"max_tokens={self.max_tokens}, isa={self.isa!r}{t})")
 
     def __tensor_flatten__(self):
-        return ["values", "bits"], (self.weight_shape, self.max_tokens, self.isa, self.transposed)
+        inner = ["values", "bits"] + (["scales"] if self.quantized else [])
+        return inner, (self.weight_shape, self.max_tokens, self.isa, self.transposed, self.dtype if self.quantized else None)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        return PackedLinearWeight(inner["values"], inner["bits"], *ctx)
+        *fields, dtype = ctx
+        return PackedLinearWeight(inner["values"], inner["bits"], *fields, scales=inner.get("scales"), dtype=dtype)
 
     def _stable_hash_for_caching(self) -> str:  # AOTAutograd's cache: the metadata, not the values
-        return f"PackedLinearWeight {self.weight_shape} {self.dtype} {self.max_tokens} {self.isa} {self.transposed}"
+        q = " int8" if self.quantized else ""
+        return f"PackedLinearWeight {self.weight_shape} {self.dtype} {self.max_tokens} {self.isa} {self.transposed}{q}"
 
     def __deepcopy__(self, memo):  # PyTorch's own clones wrapper subclasses, and a clone here is dense
         if id(self) in memo:
             return memo[id(self)]
-        copied = self._with(values=copy.deepcopy(self.values, memo), bits=copy.deepcopy(self.bits, memo))
+        copied = self._with(values=copy.deepcopy(self.values, memo), bits=copy.deepcopy(self.bits, memo),
+                            scales=copy.deepcopy(self.scales, memo))
         memo[id(self)] = copied
         for key, value in self.__dict__.items():  # a parameter's flag and records, as Tensor.__deepcopy__ keeps them
             if key not in copied.__dict__:
@@ -92,8 +110,9 @@ class PackedLinearWeight(Tensor):
     def __reduce_ex__(self, protocol):  # torch.save of a model or state dict holding it
         # with the rest of its __dict__: a parameter's flag, its kernel decision and trainable record
         extra = _extra(self)
+        quantized = (self.scales, self.dtype) if self.quantized else ()
         return _rebuild, (self.values, self.bits, self.weight_shape, self.max_tokens, self.isa, self.transposed,
-                          *((extra,) if extra else ()))
+                          *((extra,) if extra or quantized else ()), *quantized)
 
     @property
     def data(self) -> Tensor:
@@ -118,43 +137,62 @@ class PackedLinearWeight(Tensor):
 
     @property
     def nbytes_packed(self) -> int:
-        return self.values.numel() * self.values.element_size() + self.bits.numel() * self.bits.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.values, self.bits, self.scales) if t is not None)
 
     def packed(self) -> tuple[Tensor, Tensor]:
         """``(values, meta)`` in :func:`nmcompile.pack`'s format, for checkpoints."""
+        if self.quantized:
+            raise NotImplementedError(
+                f"a packed 2:4 weight {list(self.weight_shape)} with int8 values: checkpoints do not hold int8 "
+                "values and their scales yet, and writing the codes without them would lose the weight; save "
+                "the model before nmcompile.deploy.pack_weights(model, bits=8), or unpack it first "
+                "(nmcompile.deploy.unpack_weights(model): the dequantized weights)"
+            )
         return cpu24.packed_layout(self.values, self.bits, self.weight_shape[0])
 
     def dense(self) -> Tensor:
-        """The dense weight (a new tensor; the transpose where this is the transposed view)."""
+        """The dense weight (a new tensor; the transpose where this is the transposed view); int8 values
+        dequantized (code times its row's scale, in fp32, then the tensor's dtype)."""
         _require_kernel()
         w = torch.ops.nmsparse.cpu24_unpack(self.values, self.bits, self.weight_shape[0])
+        if self.quantized:
+            w = (w.float() * self.scales[:, None]).to(self.dtype)
         return w.t() if self.transposed else w
 
-    def _with(self, values=None, bits=None, transposed=None, isa=None) -> "PackedLinearWeight":
+    def _with(self, values=None, bits=None, transposed=None, isa=None, scales=None, dtype=None) -> "PackedLinearWeight":
         # an inference tensor only where this one is: a view (t, detach) of a weight made outside
         # torch.inference_mode is a normal tensor whose version counter PyTorch sets to the weight's
         with torch.inference_mode(self.is_inference()):
             out = PackedLinearWeight(
                 self.values if values is None else values, self.bits if bits is None else bits, self.weight_shape,
                 self.max_tokens, self.isa if isa is None else isa, self.transposed if transposed is None else transposed,
+                self.scales if scales is None else scales, (dtype or self.dtype) if self.quantized else None,
             )
         # its records (kernel decision, trainable), which Module._apply (.to, share_memory) would lose
         # when it wraps the result in a new Parameter; not the parameter flag itself
         out.__dict__.update(_extra(self, "_is_param"))
         return out
 
+    def _inner(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in (self.values, self.bits, self.scales) if t is not None)
+
     def share_memory_(self) -> "PackedLinearWeight":
-        """Move the values and bits to shared memory (PyTorch's own would read a storage this wrapper has not)."""
-        self.values.share_memory_()
-        self.bits.share_memory_()
+        """Move the values, bits (and scales) to shared memory (PyTorch's own would read a storage this wrapper
+        has not)."""
+        for t in self._inner():
+            t.share_memory_()
         return self
 
     def is_shared(self) -> bool:
-        return self.values.is_shared() and self.bits.is_shared()
+        return all(t.is_shared() for t in self._inner())
 
     def _linear(self, x: Tensor, bias) -> Tensor:
         """``F.linear(x, W, bias)`` on the kernel, ``W`` the ``[out, in]`` weight this holds."""
         _require_kernel()
+        if self.quantized:
+            return torch.ops.nmsparse.cpu24_linear_q8(
+                x, self.values, self.bits, self.scales, bias, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
+            )
         return torch.ops.nmsparse.cpu24_linear(
             x, self.values, self.bits, bias, None, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
         )
@@ -209,7 +247,7 @@ def _require_kernel() -> None:
 
 
 #: the attributes :meth:`PackedLinearWeight.__init__` sets (the rest of a weight's __dict__ is pickled beside them)
-_OWN = frozenset({"values", "bits", "weight_shape", "max_tokens", "isa", "transposed"})
+_OWN = frozenset({"values", "bits", "scales", "weight_shape", "max_tokens", "isa", "transposed"})
 
 
 def _bound(func, args, kwargs) -> dict:
@@ -241,11 +279,15 @@ def _cast(func, args, kwargs):
         return None
     if func is not aten._to_copy.default and dtype == w.dtype and not bound.get("copy"):
         return w  # to() of what it already is: the weight itself, as for any tensor
-    values = w.values.to(dtype, copy=True)
-    # the fastest ISA for the new dtype where the weight had the fastest for its own (avx512_bf16 is for bf16
-    # only), else the one it was given, where that takes the new dtype
-    keep = w.isa in _isas_for(dtype) and w.isa != cpu24.best_isa(w.dtype)
-    out = w._with(values=values, isa=w.isa if keep else cpu24.best_isa(dtype) or w.isa)
+    if w.quantized:  # the int8 codes and fp32 scales stay; the dtype the kernel computes in changes
+        values = w.values.clone()
+        out = w._with(values=values, scales=w.scales.clone(), dtype=dtype)
+    else:
+        values = w.values.to(dtype, copy=True)
+        # the fastest ISA for the new dtype where the weight had the fastest for its own (avx512_bf16 is for
+        # bf16 only), else the one it was given, where that takes the new dtype
+        keep = w.isa in _isas_for(dtype) and w.isa != cpu24.best_isa(w.dtype)
+        out = w._with(values=values, isa=w.isa if keep else cpu24.best_isa(dtype) or w.isa)
     rule = getattr(w, RANGE_ATTR, None)
     # the range for the new dtype (from the decision cache, else timed), on real weights: a cast traced by
     # torch.compile (fake tensors) keeps the weight's range
@@ -263,10 +305,10 @@ def _extra(weight: PackedLinearWeight, *leave: str) -> dict:
     return {k: v for k, v in weight.__dict__.items() if k not in _OWN and k not in leave and not k.startswith("_sym_")}
 
 
-def _rebuild(values, bits, shape, max_tokens, isa, transposed, extra=None):
+def _rebuild(values, bits, shape, max_tokens, isa, transposed, extra=None, scales=None, dtype=None):
     # unpickled in a fresh process (torch.load of a whole model): register the kernel's ops now, as
     # pack_weights and load_packed did where the weight was made (a machine without it is named at use)
     cpu24.status()
-    weight = PackedLinearWeight(values, bits, shape, max_tokens, isa, transposed)
+    weight = PackedLinearWeight(values, bits, shape, max_tokens, isa, transposed, scales, dtype)
     weight.__dict__.update(extra or {})
     return weight

@@ -1,0 +1,43 @@
+"""2:4 weights with int8 values: each row's kept values rounded to a symmetric int8 grid with one scale.
+
+A row's scale is its largest kept magnitude over 127 (levels -127..127; -128 is never used, so the grid is
+symmetric and negating a weight negates its code), held in fp32 whatever the activation dtype: a bf16
+scale would carry up to 0.4% of relative error into every product of its row, for 4 bytes a row (0.1% of
+a 4096-wide int8 row's bytes). A row of zeros gets scale 1 (codes 0), never 0 or NaN. The kernel
+multiplies the integer codes with fp32 activations, sums in fp32, and scales the row's sum once
+(``nmsparse::cpu24_linear_q8``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["LEVELS", "row_scales", "quantize_layout"]
+
+#: the largest int8 code used: the grid is -LEVELS..LEVELS
+LEVELS = 127
+
+
+def row_scales(values: Tensor) -> Tensor:
+    """fp32 ``[rows]``: each row's largest magnitude over :data:`LEVELS` (1 for a row of zeros). ``values``:
+    ``[rows, ...]``, any float dtype; NaN or infinite values are refused (no grid holds them)."""
+    flat = values.reshape(values.shape[0], -1).float()
+    if not bool(torch.isfinite(flat).all()):
+        rows = (~torch.isfinite(flat)).any(1).nonzero().flatten()[:8].tolist()
+        raise ValueError(f"int8 values: rows {rows} hold NaN or infinite weights, which no int8 grid holds; "
+                         "fix the weights (or keep this layer at its float dtype)")
+    top = flat.abs().amax(1)
+    return torch.where(top > 0, top / LEVELS, torch.ones_like(top))
+
+
+def quantize_layout(values: Tensor, out_features: int) -> tuple[Tensor, Tensor]:
+    """``(codes, scales)`` of the kernel layout's ``values`` ``[groups, K/16, GROUP, 8]`` (any float dtype):
+    int8 codes in the same layout (round to nearest, ties to even) and fp32 scales ``[out_features]``; the
+    padding rows (past ``out_features``) are zeros and stay zeros."""
+    groups, words, group, eight = values.shape
+    rows = values.permute(0, 2, 1, 3).reshape(groups * group, words * eight)  # row-major copy of the kept values
+    scales = row_scales(rows)
+    codes = torch.round(rows.float() / scales[:, None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
+    codes = codes.reshape(groups, group, words, eight).permute(0, 2, 1, 3).contiguous()
+    return codes, scales[:out_features].contiguous()
