@@ -27,7 +27,7 @@ from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
 from ..kernels.format24 import (DAMAGED_HINT, META_SUFFIX, Packed24, packed_record, lost_metadata, pack, packed_dims,
                                unpack)
-from ..kernels.cpu24.quantize import quantize_layout
+from ..kernels.cpu24.quantize import quantize_dense, quantize_layout
 from ..kernels.cpu24.weight import RANGE_ATTR, PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -77,11 +77,16 @@ class RangeRule:
 TRAINABLE_ATTR = "_nmcompile_requires_grad"
 
 
-def set_packed(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision, trainable: bool = True) -> None:
+def set_packed(module: nn.Module, pname: str, weight: PackedLinearWeight, decision: Decision, trainable: bool = True,
+               places=()) -> None:
+    """``module.pname`` (and each ``(_, holder, attr)`` of ``places``: a tied weight's holders, which keep one
+    parameter object) becomes a parameter holding ``weight``."""
     param = nn.Parameter(weight, requires_grad=False)
     setattr(param, DECISION_ATTR, decision)
     setattr(param, TRAINABLE_ATTR, bool(trainable))
     module._parameters[pname] = param
+    for _, holder, attr in places:
+        holder._parameters[attr] = param
 
 
 def is_trainable(param: torch.Tensor) -> bool:
@@ -103,7 +108,53 @@ def _quantized(weight: PackedLinearWeight) -> PackedLinearWeight:
                               cpu24.best_isa(torch.int8) or weight.isa, weight.transposed, scales, weight.dtype)
 
 
-def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = None) -> dict[str, Decision]:
+def _head_of(model: nn.Module, head: str | None) -> tuple[str, nn.Linear] | None:
+    """``(name, module)`` of the output head ``pack_weights(bits=8, head=...)`` quantizes: ``"auto"``, a Hugging Face
+    model's ``get_output_embeddings()`` (none for other models); a module's name; None: none."""
+    if head is None:
+        return None
+    modules = dict(model.named_modules())
+    if head == "auto":
+        getter = getattr(model, "get_output_embeddings", None)
+        found = getter() if callable(getter) else None
+        if not isinstance(found, nn.Linear):
+            return None
+        return next(name for name, module in modules.items() if module is found), found
+    module = modules.get(head)
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"nmcompile.deploy.pack_weights: head={head!r} names "
+                         f"{'no module' if module is None else 'a ' + type(module).__name__} of this model; name an "
+                         "nn.Linear (the output head), or pass head=None to keep every dense weight as it is")
+    return head, module
+
+
+def _pack_head(model: nn.Module, name: str, module: nn.Linear) -> Decision:
+    """The head's weight as dense int8 rows (:func:`~nmcompile.kernels.cpu24.quantize.quantize_dense`), in every
+    module holding that parameter (a tied input embedding looks its rows up in the same int8 table)."""
+    param = module.weight
+    if isinstance(param, PackedLinearWeight):
+        return getattr(param, DECISION_ATTR, Decision("cpu24", "int8 rows"))
+    why = None
+    if param.device.type != "cpu" or param.dtype not in cpu24.DTYPES:
+        why = f"a {param.dtype} weight on {param.device.type} (the kernel takes CPU fp32/bf16/fp16)"
+    elif param.shape[1] % 16:
+        why = f"in_features {param.shape[1]} is not a multiple of 16"
+    elif not cpu24.status().available:
+        why = cpu24.status().reason
+    if why is not None:
+        return Decision("dense", f"output head kept dense: {why}")
+    values, scales = quantize_dense(param.detach())
+    tensor = PackedLinearWeight(values, None, tuple(param.shape), -1, cpu24.best_isa(torch.int8) or "avx2", False,
+                                scales, param.dtype)
+    decision = Decision("cpu24", "output head as dense int8 rows (every token count)", isa=tensor.isa)
+    tied = [(name, holder, attr) for name, holder in model.named_modules(remove_duplicate=False)
+            for attr, p in holder._parameters.items() if p is param]
+    set_packed(module, "weight", tensor, decision, param.requires_grad, tied)
+    return decision
+
+
+def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = None,
+                 head: str | None = "auto") -> dict[str, Decision]:
     """Hold every finalized 2:4 linear weight of ``model`` packed only; ``{name: decision}`` of each.
 
     A weight is packed when its record (from :func:`nmcompile.finalize`) says 2:4 along its
@@ -121,6 +172,9 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
     already are quantized where they hold float values; ``bits=None`` never dequantizes int8 ones
     (:func:`unpack_weights` does). Their token range is the float kernel's on the same shape, as
     :data:`INT8_REASON` says. A model holding int8 values cannot be saved packed yet (refused by name).
+    With ``bits=8`` the output head, the largest weight a decoded token reads, becomes dense int8 rows too
+    (``nmsparse::cpu24_dense_q8``), and an input embedding tied to it looks its rows up in that table:
+    ``head="auto"`` is a Hugging Face model's ``get_output_embeddings()``, a name picks a module, None keeps it.
     """
     if bits not in BITS:
         raise ValueError(f"nmcompile.deploy.pack_weights: bits={bits!r} is not supported; bits=8 holds the kept values "
@@ -139,8 +193,7 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
                 tensor = _quantized(param)
                 decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure,
                                      rule_reason).decide(tensor)
-                for _, holder, attr in places:
-                    set_packed(holder, attr, tensor, decision, is_trainable(param))
+                set_packed(module, pname, tensor, decision, is_trainable(param), places)
                 out[name] = decision
                 continue
             out[name] = getattr(param, DECISION_ATTR, Decision("cpu24", "packed"))
@@ -167,9 +220,11 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         if bits == 8:
             tensor = _quantized(tensor)
         decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure, rule_reason).decide(tensor)
-        for _, holder, attr in places:
-            set_packed(holder, attr, tensor, decision, param.requires_grad)
+        set_packed(module, pname, tensor, decision, param.requires_grad, places)
         out[name] = decision
+    found = _head_of(model, head) if bits == 8 else None
+    if found is not None and out:
+        out[f"{found[0]}.weight"] = _pack_head(model, *found)
     if not out:
         raise ValueError(
             f"nmcompile.deploy.pack_weights: {type(model).__name__} has no finalized weight; call "

@@ -125,3 +125,59 @@ def test_writes_and_checkpoints_are_refused_by_name_and_unpacking_dequantizes():
     assert unpack_weights(model) == ["0.weight", "2.weight"]
     for i in LAYERS:
         assert type(model[i].weight) is torch.nn.Parameter and torch.equal(model[i].weight.detach(), dequantized[i])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_hugging_face_llama_runs_2_4_int8_with_an_int8_head_and_tied_embedding(tie):
+    transformers = pytest.importorskip("transformers")
+    from models import magnitude_2_4, tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(transformers, tie=tie).to(torch.bfloat16)
+    magnitude_2_4(model)
+    ids = torch.randint(0, 256, (1, 12))
+    head_before = model.lm_head.weight.detach().float().clone()
+    decisions = pack_weights(model, bits=8, measure=False)
+    head = model.lm_head.weight
+    assert decisions["lm_head.weight"].reason.startswith("output head as dense int8 rows")
+    assert isinstance(head, PackedLinearWeight) and head.dense_rows and head.quantized and head.dtype == torch.bfloat16
+    assert (model.model.embed_tokens.weight is head) == tie  # one int8 table for a tied head and embedding
+    # every row within half a step of its grid (then rounded to bf16)
+    step = head.scales[:, None] / 2 + head_before.abs() * 2**-8
+    assert bool(((head.dense().float() - head_before).abs() <= step * 1.0001).all())
+    with torch.no_grad():
+        logits = model(ids).logits
+        # the same model with every packed weight replaced by its dequantized dense weight
+        reference_model = copy.deepcopy(model)
+        unpack_weights(reference_model)
+        expected = reference_model(ids).logits
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    torch.testing.assert_close(logits.float(), expected.float(), rtol=0.05, atol=0.05)
+    assert out.shape == (1, 16)
+    rows = head.values.numel() + head.scales.numel() * 4
+    assert head.nbytes_packed == rows  # no position bits: int8 codes and a scale per row
+
+
+def test_the_head_is_named_or_kept():
+    model = finalized()
+    decisions = pack_weights(model, bits=8, measure=False, head="3")
+    assert model[3].weight.dense_rows and decisions["3.weight"].kernel == "cpu24"
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(model, x).float(), rtol=1e-4, atol=1e-4)
+    kept = finalized()
+    pack_weights(kept, bits=8, measure=False, head=None)
+    assert type(kept[3].weight) is torch.nn.Parameter
+    with pytest.raises(ValueError, match=r"head='1' names a GELU of this model; name an nn.Linear"):
+        pack_weights(finalized(), bits=8, measure=False, head="1")
+
+
+def test_an_int8_embedding_refuses_indices_out_of_range():
+    transformers = pytest.importorskip("transformers")
+    from models import magnitude_2_4, tiny_llama
+
+    model = tiny_llama(transformers, tie=True)
+    magnitude_2_4(model)
+    pack_weights(model, bits=8, measure=False)
+    with pytest.raises(IndexError, match="out of range for a table of 256 rows"):
+        model.model.embed_tokens(torch.tensor([[3, 256]]))

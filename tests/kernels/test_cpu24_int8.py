@@ -135,3 +135,47 @@ def test_a_row_of_zeros_gets_scale_one_and_a_row_of_nan_is_refused():
     rows[2, 0] = float("nan")
     with pytest.raises(ValueError, match=r"rows \[2\] hold NaN"):
         row_scales(rows)
+
+
+# --------------------------------------------------------------------------- dense int8 rows (the output head)
+
+
+def dense_quantized(out_f, in_f, seed=0):
+    from nmcompile.kernels.cpu24.quantize import dense_rows, quantize_dense
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * torch.rand(out_f, 1, generator=g)
+    values, scales = quantize_dense(w)
+    return values, scales, dense_rows(values, out_f).double() * scales.double()[:, None], w
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", list(TOL))
+# K = 80, 224, 240, 1040: 1, 2, 3 and 1 words after the four segments of one token
+@pytest.mark.parametrize("out_f,in_f", [(1, 16), (7, 32), (9, 80), (8, 224), (17, 240), (33, 1040)])
+def test_dense_int8_rows_match_the_dequantized_product(isa, dtype, out_f, in_f):
+    _skip_unless_runs(isa)
+    values, scales, dense, _ = dense_quantized(out_f, in_f, seed=in_f)
+    bias = torch.randn(out_f).to(dtype)
+    for tokens in (0, 1, 2, 5):
+        x = torch.randn(tokens, in_f).to(dtype)
+        check(torch.ops.nmsparse.cpu24_dense_q8(x, values, scales, bias, out_f, -1, isa), x, dense, bias)
+    x = torch.randn(in_f, 3).t().to(dtype)  # strided
+    check(torch.ops.nmsparse.cpu24_dense_q8(x, values, scales, None, out_f, -1, isa), x, dense, None)
+
+
+def test_dense_int8_rows_round_to_nearest_and_take_the_dense_gemm_past_max_tokens():
+    values, scales, dense, w = dense_quantized(21, 64)
+    assert bool(((dense - w.double()).abs() <= scales.double()[:, None] / 2 * (1 + 1e-6)).all())
+    x = torch.randn(6, 64)
+    op = torch.ops.nmsparse.cpu24_dense_q8
+    isa = "avx2" if "avx2" in cpu24.isas() else "emulated512"
+    check(op(x, values, scales, None, 21, 2, isa), x, dense, None)
+    with pytest.raises(RuntimeError, match=r"expected contiguous int8 CPU values \[groups, K/16, 8, 16\]"):
+        op(x, values.float(), scales, None, 21, -1, isa)
+    with pytest.raises(RuntimeError, match="out_features 30 does not fit 3 groups"):
+        op(x, values, torch.ones(30), None, 30, -1, isa)
+    with pytest.raises(ValueError, match="in_features 40 is not a multiple of 16"):
+        from nmcompile.kernels.cpu24.quantize import quantize_dense
+
+        quantize_dense(torch.randn(4, 40))

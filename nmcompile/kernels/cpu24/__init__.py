@@ -293,6 +293,10 @@ def _register_python_parts() -> None:
     def _(x, values, bits, scales, bias, out_features, max_tokens, isa):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("nmsparse::cpu24_dense_q8")
+    def _(x, values, scales, bias, out_features, max_tokens, isa):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake("nmsparse::cpu24_unpack")
     def _(values, bits, out_features):
         return values.new_empty((out_features, bits.shape[1] * 16))

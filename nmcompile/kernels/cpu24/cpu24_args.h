@@ -12,8 +12,10 @@
 
 constexpr int NM24_GROUP = 8;
 
-// NM24_I8: int8 values of a row scaled by scales[row] (fp32; applied once to the row's fp32 sum)
-enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2, NM24_I8 = 3 };
+// NM24_I8: int8 values of a row scaled by scales[row] (fp32; applied once to the row's fp32 sum);
+// NM24_I8_DENSE: a dense int8 weight, scaled the same way, values [groups, K/16, NM24_GROUP, 16] (every
+// position of the word, no bits)
+enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2, NM24_I8 = 3, NM24_I8_DENSE = 4 };
 
 struct Nm24Args {
   const void* x;          // [tokens, kp] activations, fp32 (bf16 for the bf16-pair kernels)

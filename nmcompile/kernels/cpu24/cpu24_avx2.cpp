@@ -3,6 +3,7 @@
 // half's 8 position bits (fp32, bf16, int8), or by a lane permute after conversion (fp16).
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
@@ -94,6 +95,9 @@ inline Pair place<int8_t>(const int8_t* v, unsigned m) {  // 8 bytes in every qu
   const __m256i hi = _mm256_srai_epi32(_mm256_shuffle_epi8(all, control(kShuffle.i8_hi, m >> 8)), 24);
   return {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
 }
+inline __m256 widen8(const int8_t* v) {  // 8 int8 values as fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+}
 inline __m256 permute4(__m128 v, unsigned m) {
   const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPermute.idx[m])));
   return _mm256_permutevar8x32_ps(_mm256_zextps128_ps256(v), idx);
@@ -115,7 +119,12 @@ struct Avx2 {
   static inline Acc zero() { return _mm256_setzero_ps(); }
   static inline XV load_x(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static inline WV expand(const W* v, const uint16_t* b, int64_t) {
-    return place<W>(v, *b);
+    if constexpr (std::is_same_v<W, DenseI8>) {  // every position: 16 values, no bits
+      const auto* q = reinterpret_cast<const int8_t*>(v);
+      return {widen8(q), widen8(q + 8)};
+    } else {
+      return place<W>(v, *b);
+    }
   }
   static inline Acc madd(Acc acc, const WV& w, const XV& x) {
     return _mm256_fmadd_ps(w.hi, x.hi, _mm256_fmadd_ps(w.lo, x.lo, acc));

@@ -3,6 +3,7 @@
 // weights and activations take 32 positions per step: `vpexpandw` of 16 kept bf16 values, then
 // `vdpbf16ps` (pairs of bf16 products summed into fp32).
 #include <cstdint>
+#include <type_traits>
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16,avx2,fma,f16c")
 #include <immintrin.h>
@@ -40,7 +41,11 @@ struct Avx512 {
   static inline Acc zero() { return _mm512_setzero_ps(); }
   static inline XV load_x(const float* p) { return _mm512_loadu_ps(p); }
   static inline WV expand(const W* v, const uint16_t* b, int64_t) {
-    return _mm512_maskz_expand_ps(static_cast<__mmask16>(*b), _mm512_castps256_ps512(load8<W>(v)));
+    if constexpr (std::is_same_v<W, DenseI8>) {  // every position: 16 values, no bits
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))));
+    } else {
+      return _mm512_maskz_expand_ps(static_cast<__mmask16>(*b), _mm512_castps256_ps512(load8<W>(v)));
+    }
   }
   static inline Acc madd(Acc acc, WV w, XV x) { return _mm512_fmadd_ps(w, x, acc); }
   static inline float sum(Acc v) { return _mm512_reduce_add_ps(v); }

@@ -4,6 +4,7 @@
 // intrinsics themselves need an AVX-512 CPU to be tested.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu24_kernel.h"
 
@@ -57,9 +58,13 @@ struct Emulated512 {
   static inline Acc zero() { return Acc{}; }
   static inline XV load_x(const float* p) { XV x; std::memcpy(x.v, p, sizeof x.v); return x; }
   static inline WV expand(const W* v, const uint16_t* b, int64_t) {
-    const unsigned m = *b;
     WV w{};
-    for (int j = 0, next = 0; j < 16; ++j) w.v[j] = (m >> j) & 1 ? to_float(v[next++]) : 0.0f;
+    if constexpr (std::is_same_v<W, DenseI8>) {  // every position: 16 values, no bits
+      for (int j = 0; j < 16; ++j) w.v[j] = static_cast<float>(v[j].v);
+    } else {
+      const unsigned m = *b;
+      for (int j = 0, next = 0; j < 16; ++j) w.v[j] = (m >> j) & 1 ? to_float(v[next++]) : 0.0f;
+    }
     return w;
   }
   static inline Acc madd(Acc acc, const WV& w, const XV& x) {

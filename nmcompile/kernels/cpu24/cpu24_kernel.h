@@ -14,7 +14,8 @@
 //   streams, nm24_tile), and
 //   zero(), load_x(const XT* at position 16w), expand(values of row r at word w, bits of row r at
 //   word w, words left), madd(acc, w, x), sum(acc). Word w + 1 of the same row is NM24_GROUP * 8
-//   values and NM24_GROUP bits further on.
+//   values and NM24_GROUP bits further on (a dense int8 weight, DenseI8: NM24_GROUP * 16 values, and
+//   no bits: expand never reads them).
 #pragma once
 #include <cstdint>
 
@@ -27,21 +28,37 @@ struct Half {  // an fp16 value's bits (the ISA units convert it)
   uint16_t v;
 };
 
+// an element of a dense int8 weight (NM24_I8_DENSE): 16 values a word, every position kept, no bits
+struct DenseI8 {
+  int8_t v;
+};
+
+// values a word holds per row: the 8 kept of 16 positions, or all 16 of a dense weight
+template <typename W>
+struct Kept {
+  static constexpr int value = 8;
+};
+template <>
+struct Kept<DenseI8> {
+  static constexpr int value = 16;
+};
+
 // one step (Ops::WORDS words at word w) of R rows and TT tokens into acc; v and b point at word w
 // of the tile's first row
 template <class Ops, int R, int TT>
 inline void nm24_step(const Nm24Args& a, typename Ops::Acc (&acc)[R][TT], const typename Ops::XT* x,
                       const typename Ops::WT* v, const uint16_t* b, int64_t w, int64_t words) {
   using W = typename Ops::WT;
+  constexpr int KEPT = Kept<W>::value;
   // the streams are read once: ask for them a.prefetch_bytes ahead (a row group's step is
   // contiguous, so a few lines cover it)
-  for (int line = 0; line < R * 8 * static_cast<int>(sizeof(W)); line += 64)
+  for (int line = 0; line < R * KEPT * static_cast<int>(sizeof(W)); line += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(v) + a.prefetch_bytes * Ops::WORDS + line);
-  __builtin_prefetch(reinterpret_cast<const char*>(b) + a.prefetch_bytes / 4);
+  if constexpr (KEPT == 8) __builtin_prefetch(reinterpret_cast<const char*>(b) + a.prefetch_bytes / 4);
   typename Ops::XV xv[TT];
   for (int t = 0; t < TT; ++t) xv[t] = Ops::load_x(x + t * a.kp + w * 16);
   for (int r = 0; r < R; ++r) {
-    typename Ops::WV wv = Ops::expand(v + r * 8, b + r, words - w);
+    typename Ops::WV wv = Ops::expand(v + r * KEPT, b + r, words - w);
     for (int t = 0; t < TT; ++t) acc[r][t] = Ops::madd(acc[r][t], wv, xv[t]);
   }
 }
@@ -55,7 +72,8 @@ inline void nm24_tile(const Nm24Args& a, int64_t row, int64_t t0) {
   using W = typename Ops::WT;
   using X = typename Ops::XT;
   constexpr int G = NM24_GROUP;
-  constexpr int64_t VSTEP = Ops::WORDS * G * 8, BSTEP = Ops::WORDS * G;  // one step of each stream
+  constexpr int KEPT = Kept<W>::value;
+  constexpr int64_t VSTEP = Ops::WORDS * G * KEPT, BSTEP = Ops::WORDS * G;  // one step of each stream
   typename Ops::Acc acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = Ops::zero();
@@ -63,7 +81,7 @@ inline void nm24_tile(const Nm24Args& a, int64_t row, int64_t t0) {
   const X* x = static_cast<const X*>(a.x) + t0 * a.kp;
   // the group that holds `row`, then the row's place in it
   const int64_t group = row / G, within = row % G;
-  const W* v = static_cast<const W*>(a.values) + (group * words * G + within) * 8;
+  const W* v = static_cast<const W*>(a.values) + (group * words * G + within) * KEPT;
   const uint16_t* b = a.bits + group * words * G + within;
   const int64_t seg = words / S / Ops::WORDS * Ops::WORDS;  // words per segment, whole steps
   int64_t w = 0;
@@ -119,6 +137,8 @@ inline void nm24_rows_by_dtype(const Nm24Args& a, int64_t r0, int64_t r1) {
     a.tokens == 1 ? nm24_rows<Ops<uint16_t, 8, 1>>(a, r0, r1) : nm24_rows<Ops<uint16_t, 4, TT>>(a, r0, r1);
   } else if (a.wdtype == NM24_I8) {
     a.tokens == 1 ? nm24_rows<Ops<int8_t, 8, 1>>(a, r0, r1) : nm24_rows<Ops<int8_t, 4, TT>>(a, r0, r1);
+  } else if (a.wdtype == NM24_I8_DENSE) {
+    a.tokens == 1 ? nm24_rows<Ops<DenseI8, 8, 1>>(a, r0, r1) : nm24_rows<Ops<DenseI8, 4, TT>>(a, r0, r1);
   } else {
     a.tokens == 1 ? nm24_rows<Ops<Half, 8, 1>>(a, r0, r1) : nm24_rows<Ops<Half, 4, TT>>(a, r0, r1);
   }

@@ -7,6 +7,9 @@
 //   cpu24_linear_q8(x, values, bits, scales, bias, out_features, max_tokens, isa): the same with int8 values,
 //     row r scaled by scales[r] (fp32), for fp32, bf16 or fp16 inputs (the output in the input's dtype); calls
 //     above max_tokens take the dense GEMM on W dequantized into the input's dtype for the call. No autograd.
+//   cpu24_dense_q8(x, values, scales, bias, out_features, max_tokens, isa): F.linear with a dense int8 weight,
+//     values [groups, K/16, NM24_GROUP, 16] (the CPU layout with every position kept), row r scaled by scales[r];
+//     calls above max_tokens take the dense GEMM on the weight dequantized for the call. No autograd.
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
 //   cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us, route) -> (out, chunks per
@@ -270,10 +273,11 @@ at::Tensor narrowed(const at::Tensor& out) {
 }
 
 // the 2:4 product of every row of x (no dense fallback); probe: the split's test hook, else null
+// (bits undefined: a dense int8 weight, NM24_I8_DENSE)
 at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
                           const c10::optional<at::Tensor>& bias, int64_t n, c10::string_view isa_name,
                           SplitProbe* probe, const float* scales = nullptr) {
-  const int64_t k = bits.size(1) * 16;
+  const int64_t k = values.size(1) * 16;
   const int64_t tokens = k ? x.numel() / k : 0;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
@@ -303,8 +307,11 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
     b32 = bias->to(at::kFloat).contiguous();
   }
   auto out = at::empty({tokens, n}, x.options().dtype(at::kFloat));
-  Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), wdtype_of(values.scalar_type()),
-             reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>()), b32.defined() ? b32.data_ptr<float>() : nullptr,
+  // a dense weight's kernel never reads bits: the pointer is the values' (in bounds, as each step's address is)
+  const auto* bits_ptr = bits.defined() ? reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>())
+                                        : static_cast<const uint16_t*>(values.data_ptr());
+  Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), bits.defined() ? wdtype_of(values.scalar_type()) : NM24_I8_DENSE,
+             bits_ptr, b32.defined() ? b32.data_ptr<float>() : nullptr,
              out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes(), scales};
   nm24_split(tokens <= kFewTokens && isa.few_tokens ? isa.few_tokens : isa.rows, a, values.size(0), probe);
   return (loops ? narrowed(out) : out.to(x.scalar_type())).view(out_shape);
@@ -331,29 +338,51 @@ at::Tensor cpu24_linear(const at::Tensor& x, const at::Tensor& values, const at:
   return sparse_product(x, values, bits, bias, n, isa_name, nullptr);
 }
 
+void check_q8_input(const at::Tensor& x, const at::Tensor& scales, int64_t n, int64_t k, c10::string_view isa_name,
+                    const char* op) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == n && scales.is_contiguous() &&
+                  scales.device().is_cpu(),
+              op, ": scales must be a contiguous fp32 CPU tensor [", n, "] (one per output row), got ", shape_str(scales),
+              " ", scales.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": input ", shape_str(x), " does not match the weight's in_features ", k);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              " takes fp32, bf16 or fp16 inputs, got ", dtype);
+  TORCH_CHECK(isa_name != "avx512_bf16" && isa_name != "emulated512_bf16", op, ": isa '", std::string(isa_name),
+              "' multiplies bf16 pairs; int8 values take avx2, avx512 or emulated512");
+}
+
 at::Tensor cpu24_linear_q8(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
                            const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n,
                            int64_t max_tokens, c10::string_view isa_name) {
   check_layout(values, bits, n);
   TORCH_CHECK(values.scalar_type() == at::kChar, "nmsparse::cpu24_linear_q8 takes int8 values, got ", values.scalar_type(),
               " (nmsparse::cpu24_linear takes float ones)");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == n && scales.is_contiguous() &&
-                  scales.device().is_cpu(),
-              "nmsparse::cpu24_linear_q8: scales must be a contiguous fp32 CPU tensor [", n, "] (one per output row), got ",
-              shape_str(scales), " ", scales.scalar_type());
   const int64_t k = bits.size(1) * 16;
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "nmsparse::cpu24_linear_q8: input ", shape_str(x),
-              " does not match the weight's in_features ", k);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "nmsparse::cpu24_linear_q8 takes fp32, bf16 or fp16 inputs, got ", dtype);
-  TORCH_CHECK(isa_name != "avx512_bf16" && isa_name != "emulated512_bf16",
-              "nmsparse::cpu24_linear_q8: isa '", std::string(isa_name), "' multiplies bf16 pairs; int8 values take "
-              "avx2, avx512 or emulated512");
+  check_q8_input(x, scales, n, k, isa_name, "nmsparse::cpu24_linear_q8");
   const int64_t tokens = k ? x.numel() / k : 0;
   if (max_tokens >= 0 && tokens > max_tokens)  // the measured range ends here: dense GEMM
     return at::linear(x, dequantized_for_gemm(values, bits, scales, n, dtype), bias);
   return sparse_product(x, values, bits, bias, n, isa_name, nullptr, scales.data_ptr<float>());
+}
+
+at::Tensor cpu24_dense_q8(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& bias, int64_t n, int64_t max_tokens, c10::string_view isa_name) {
+  TORCH_CHECK(values.dim() == 4 && values.size(2) == NM24_GROUP && values.size(3) == 16 && values.scalar_type() == at::kChar &&
+                  values.is_contiguous() && values.device().is_cpu(),
+              "nmsparse::cpu24_dense_q8: expected contiguous int8 CPU values [groups, K/16, ", NM24_GROUP, ", 16], got ",
+              shape_str(values), " ", values.scalar_type());
+  TORCH_CHECK(n > (values.size(0) - 1) * NM24_GROUP && n <= values.size(0) * NM24_GROUP,
+              "nmsparse::cpu24_dense_q8: out_features ", n, " does not fit ", values.size(0), " groups of ", NM24_GROUP, " rows");
+  const int64_t k = values.size(1) * 16;
+  check_q8_input(x, scales, n, k, isa_name, "nmsparse::cpu24_dense_q8");
+  const int64_t tokens = k ? x.numel() / k : 0;
+  if (max_tokens >= 0 && tokens > max_tokens) {  // the dense GEMM on the weight dequantized for the call
+    auto w = values.permute({0, 2, 1, 3}).reshape({values.size(0) * NM24_GROUP, k}).narrow(0, 0, n);
+    return at::linear(x, (w.to(at::kFloat) * scales.unsqueeze(1)).to(x.scalar_type()), bias);
+  }
+  return sparse_product(x, values, at::Tensor(), bias, n, isa_name, nullptr, scales.data_ptr<float>());
 }
 
 // cpu24_linear's sparse product with thread `slow_thread` (0 the caller, 1.. the others) sleeping
@@ -380,6 +409,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> cpu24_split_probe(const at:
 TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
   m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_linear_q8(Tensor x, Tensor values, Tensor bits, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
+  m.def("cpu24_dense_q8(Tensor x, Tensor values, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
   m.def("cpu24_isa() -> int");
   m.def("cpu24_split_probe(Tensor x, Tensor values, Tensor bits, int out_features, str isa, int slow_thread, int slow_us, int route) -> (Tensor, Tensor, int, int)");
@@ -388,6 +418,7 @@ TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
 TORCH_LIBRARY_IMPL(nmsparse, CPU, m) {
   m.impl("cpu24_linear", cpu24_linear);
   m.impl("cpu24_linear_q8", cpu24_linear_q8);
+  m.impl("cpu24_dense_q8", cpu24_dense_q8);
   m.impl("cpu24_unpack", cpu24_unpack);
   m.impl("cpu24_split_probe", cpu24_split_probe);
 }

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["LEVELS", "row_scales", "quantize_layout"]
+__all__ = ["LEVELS", "row_scales", "quantize_layout", "quantize_dense", "dense_rows"]
 
 #: the largest int8 code used: the grid is -LEVELS..LEVELS
 LEVELS = 127
@@ -41,3 +41,27 @@ def quantize_layout(values: Tensor, out_features: int) -> tuple[Tensor, Tensor]:
     codes = torch.round(rows.float() / scales[:, None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
     codes = codes.reshape(groups, group, words, eight).permute(0, 2, 1, 3).contiguous()
     return codes, scales[:out_features].contiguous()
+
+
+def quantize_dense(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``(values, scales)`` of a dense ``[N, K]`` weight (``K`` a multiple of 16) as int8 rows in the kernel's
+    dense layout ``[groups, K/16, GROUP, 16]`` (``N`` padded with zero rows to whole groups of ``GROUP``,
+    as the 2:4 layout is; ``nmsparse::cpu24_dense_q8``) and fp32 scales ``[N]``."""
+    from . import GROUP
+
+    n, k = weight.shape
+    if k % 16:
+        raise ValueError(f"int8 rows: in_features {k} is not a multiple of 16")
+    scales = row_scales(weight)
+    codes = torch.round(weight.float() / scales[:, None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
+    pad = -n % GROUP
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+    values = codes.reshape(-1, GROUP, k // 16, 16).transpose(1, 2).contiguous()
+    return values, scales
+
+
+def dense_rows(values: Tensor, out_features: int) -> Tensor:
+    """The int8 codes ``[out_features, K]`` of :func:`quantize_dense`'s layout (a view where it can be)."""
+    groups, words, group, sixteen = values.shape
+    return values.permute(0, 2, 1, 3).reshape(groups * group, words * sixteen)[:out_features]

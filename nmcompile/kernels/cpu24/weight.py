@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from .. import cpu24
+from . import quantize
 
 __all__ = ["PackedLinearWeight", "RANGE_ATTR"]
 
@@ -53,10 +54,11 @@ class PackedLinearWeight(Tensor):
                 scales: Tensor | None = None, dtype: torch.dtype | None = None):
         out_f, in_f = shape
         outer = (in_f, out_f) if transposed else (out_f, in_f)
-        if (scales is None) != (values.dtype != torch.int8) or (scales is not None and dtype not in cpu24.DTYPES):
+        if (scales is None) != (values.dtype != torch.int8) or (scales is not None and dtype not in cpu24.DTYPES) \
+                or (bits is None and scales is None):
             raise ValueError(f"PackedLinearWeight: int8 values need fp32 scales and the activation dtype (one of "
-                             f"{cpu24.DTYPES}), float values neither; got {values.dtype} values, scales "
-                             f"{None if scales is None else scales.dtype}, dtype {dtype}")
+                             f"{cpu24.DTYPES}), float values neither (and need position bits); got {values.dtype} "
+                             f"values, scales {None if scales is None else scales.dtype}, dtype {dtype}")
         dtype = values.dtype if scales is None else dtype
         return Tensor._make_wrapper_subclass(cls, outer, dtype=dtype, device=values.device, requires_grad=False)
 
@@ -65,6 +67,12 @@ class PackedLinearWeight(Tensor):
         self.values, self.bits, self.scales = values, bits, scales
         self.weight_shape = tuple(int(s) for s in shape)  # [out, in] of the weight it holds
         self.max_tokens, self.isa, self.transposed = int(max_tokens), isa, transposed
+
+    @property
+    def dense_rows(self) -> bool:
+        """Whether this is a dense int8 weight (every position kept, no position bits; :func:`~nmcompile.kernels.
+        cpu24.quantize.quantize_dense`), as an output head and its tied embedding are held."""
+        return self.bits is None
 
     @property
     def quantized(self) -> bool:
@@ -79,21 +87,22 @@ class PackedLinearWeight(Tensor):
         return cls(v, b, (values.shape[0], values.shape[1] * 2), max_tokens, isa or cpu24.best_isa(values.dtype) or "")
 
     def __repr__(self) -> str:
-        t = (", transposed" if self.transposed else "") + (", values=int8" if self.quantized else "")
+        t = (", transposed" if self.transposed else "") + (", values=int8" if self.quantized else "") \
+            + (", dense rows" if self.dense_rows else "")
         return (f"PackedLinearWeight(shape={list(self.weight_shape)}, dtype={self.dtype}, "
                 f"max_tokens={self.max_tokens}, isa={self.isa!r}{t})")
 
     def __tensor_flatten__(self):
-        inner = ["values", "bits"] + (["scales"] if self.quantized else [])
+        inner = [name for name in ("values", "bits", "scales") if getattr(self, name) is not None]
         return inner, (self.weight_shape, self.max_tokens, self.isa, self.transposed, self.dtype if self.quantized else None)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         *fields, dtype = ctx
-        return PackedLinearWeight(inner["values"], inner["bits"], *fields, scales=inner.get("scales"), dtype=dtype)
+        return PackedLinearWeight(inner["values"], inner.get("bits"), *fields, scales=inner.get("scales"), dtype=dtype)
 
     def _stable_hash_for_caching(self) -> str:  # AOTAutograd's cache: the metadata, not the values
-        q = " int8" if self.quantized else ""
+        q = (" int8" if self.quantized else "") + (" dense" if self.dense_rows else "")
         return f"PackedLinearWeight {self.weight_shape} {self.dtype} {self.max_tokens} {self.isa} {self.transposed}{q}"
 
     def __deepcopy__(self, memo):  # PyTorch's own clones wrapper subclasses, and a clone here is dense
@@ -154,7 +163,10 @@ class PackedLinearWeight(Tensor):
         """The dense weight (a new tensor; the transpose where this is the transposed view); int8 values
         dequantized (code times its row's scale, in fp32, then the tensor's dtype)."""
         _require_kernel()
-        w = torch.ops.nmsparse.cpu24_unpack(self.values, self.bits, self.weight_shape[0])
+        if self.dense_rows:
+            w = quantize.dense_rows(self.values, self.weight_shape[0])
+        else:
+            w = torch.ops.nmsparse.cpu24_unpack(self.values, self.bits, self.weight_shape[0])
         if self.quantized:
             w = (w.float() * self.scales[:, None]).to(self.dtype)
         return w.t() if self.transposed else w
@@ -173,6 +185,17 @@ class PackedLinearWeight(Tensor):
         out.__dict__.update(_extra(self, "_is_param"))
         return out
 
+    def _rows(self, indices: Tensor) -> Tensor:
+        """``F.embedding(indices, W)`` of a dense int8 weight: only the rows looked up are dequantized."""
+        n = self.weight_shape[0]
+        if not torch.compiler.is_compiling() and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
+            raise IndexError(f"embedding: an index is out of range for a table of {n} rows (got {int(indices.min())} to "
+                             f"{int(indices.max())})")
+        flat = indices.reshape(-1)
+        rows = quantize.dense_rows(self.values, n).index_select(0, flat)
+        out = (rows.float() * self.scales.index_select(0, flat)[:, None]).to(self.dtype)
+        return out.reshape(*indices.shape, self.weight_shape[1])
+
     def _inner(self) -> tuple[Tensor, ...]:
         return tuple(t for t in (self.values, self.bits, self.scales) if t is not None)
 
@@ -189,6 +212,10 @@ class PackedLinearWeight(Tensor):
     def _linear(self, x: Tensor, bias) -> Tensor:
         """``F.linear(x, W, bias)`` on the kernel, ``W`` the ``[out, in]`` weight this holds."""
         _require_kernel()
+        if self.dense_rows:
+            return torch.ops.nmsparse.cpu24_dense_q8(
+                x, self.values, self.scales, bias, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
+            )
         if self.quantized:
             return torch.ops.nmsparse.cpu24_linear_q8(
                 x, self.values, self.bits, self.scales, bias, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
@@ -223,6 +250,9 @@ class PackedLinearWeight(Tensor):
             if isinstance(w, PackedLinearWeight) and w.transposed and not isinstance(x, PackedLinearWeight) \
                     and x.dim() >= 2:
                 return w._linear(x, None)
+        if func is aten.embedding.default and isinstance(args[0], PackedLinearWeight) and args[0].dense_rows \
+                and not args[0].transposed and not isinstance(args[1], PackedLinearWeight):
+            return args[0]._rows(args[1])  # a tied embedding: the rows looked up, dequantized
         if func is aten._to_copy.default or func.overloadpacket is aten.to:
             cast = _cast(func, args, kwargs)
             if cast is not None:
