@@ -120,6 +120,8 @@ def _reference_recipe_defaults() -> dict[str, dict[str, str | None]]:
 
 def _as_default(text: str, default):
     first = text.split("\\|")[0].strip("`")  # exp\|linear: the first choice is the default
+    if default is None:  # an optional key: "none" is its default
+        return None if first == "none" else first
     if isinstance(default, bool):
         return {"on": True, "off": False}[first]
     if isinstance(default, (int, float)):

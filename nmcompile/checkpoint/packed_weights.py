@@ -100,12 +100,19 @@ BITS = (None, 8)
 INT8_REASON = "packed only, int8 values (token range: the float kernel's on this shape)"
 
 
-def _quantized(weight: PackedLinearWeight) -> PackedLinearWeight:
+def _quantized(weight: PackedLinearWeight, grid: torch.Tensor | None = None) -> tuple[PackedLinearWeight, str]:
     """``weight`` (float values) with its kept values as int8 codes and per-row scales (:mod:`~nmcompile.kernels.
-    cpu24.quantize`), computing in its dtype."""
-    codes, scales = quantize_layout(weight.values, weight.weight_shape[0])
+    cpu24.quantize`), computing in its dtype, and how: on ``grid`` (the scales a one-shot solve recorded) where
+    the values still lie on it, else rounded to nearest."""
+    found = None if grid is None or grid.dim() != 1 else quantize_layout(weight.values, weight.weight_shape[0], grid)
+    how = "the one-shot solve's int8 grid"
+    if found is None:
+        how = "rounded to nearest" if grid is None else \
+            "rounded to nearest (its values left the one-shot solve's int8 grid since it was solved)"
+        found = quantize_layout(weight.values, weight.weight_shape[0])
+    codes, scales = found
     return PackedLinearWeight(codes, weight.bits, weight.weight_shape, weight.max_tokens,
-                              cpu24.best_isa(torch.int8) or weight.isa, weight.transposed, scales, weight.dtype)
+                              cpu24.best_isa(torch.int8) or weight.isa, weight.transposed, scales, weight.dtype), how
 
 
 def _head_of(model: nn.Module, head: str | None) -> tuple[str, nn.Linear] | None:
@@ -180,6 +187,8 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         raise ValueError(f"nmcompile.deploy.pack_weights: bits={bits!r} is not supported; bits=8 holds the kept values "
                          "as int8 with a scale per row, bits=None (the default) in the weight's own dtype")
     state = cpu24.status()
+    if bits is None and any(records.get(p[0][1], records.INT8, p[0][2]) is not None for _, p in owners(model)):
+        bits = 8  # a one-shot solve with bits=8 put weights on int8 grids: they are served as int8
     rule_reason = INT8_REASON if bits == 8 else "packed only"
     out: dict[str, Decision] = {}
     for name, places in owners(model):
@@ -190,9 +199,9 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
             continue
         if isinstance(param, PackedLinearWeight):
             if bits == 8 and not param.quantized:
-                tensor = _quantized(param)
+                tensor, how = _quantized(param, records.get(module, records.INT8, pname))
                 decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure,
-                                     rule_reason).decide(tensor)
+                                     f"{rule_reason}; {how}").decide(tensor)
                 set_packed(module, pname, tensor, decision, is_trainable(param), places)
                 out[name] = decision
                 continue
@@ -217,9 +226,11 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         packed = pack(weight)
         values, kept_bits = cpu24.cpu_layout(packed.values, packed.meta)
         tensor = PackedLinearWeight(values, kept_bits, tuple(weight.shape), -1, cpu24.best_isa(weight.dtype), transposed)
+        reason = rule_reason
         if bits == 8:
-            tensor = _quantized(tensor)
-        decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure, rule_reason).decide(tensor)
+            tensor, how = _quantized(tensor, records.get(module, records.INT8, pname))
+            reason = f"{rule_reason}; {how}"
+        decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure, reason).decide(tensor)
         set_packed(module, pname, tensor, decision, param.requires_grad, places)
         out[name] = decision
     found = _head_of(model, head) if bits == 8 else None

@@ -13,6 +13,10 @@ Both take the weight as ``W [rows, cols]`` with the N:M groups along ``cols`` (s
   ``W_:,j: -= (w_j - q_j) / U_jj * U_j,j:``. Updates inside a block of ``blocksize`` columns are
   applied at once, to the rest lazily at the block's end (the same result). Inputs that never
   carried signal (``H_jj == 0``) get ``H_jj = 1`` and a zero weight column.
+  With ``scales`` (one per row), SparseGPT's joint sparsification and quantization: a kept entry's
+  target ``q_j`` is the nearest point of its row's grid (``round(w / s) * s``, at most ``LEVELS`` steps
+  from zero) instead of ``w_j`` itself, so the rounding error moves onto the later columns too, as GPTQ
+  does, in the same sweep that chooses the mask.
 """
 
 from __future__ import annotations
@@ -78,13 +82,17 @@ def one_thread():
 
 
 def sparsegpt(w: torch.Tensor, xtx: torch.Tensor, tokens: int, n: int, m: int, *, blocksize: int = 128,
-              percdamp: float = 0.01, update: bool = True) -> torch.Tensor:
+              percdamp: float = 0.01, update: bool = True, scales: torch.Tensor | None = None,
+              levels: int = 127) -> torch.Tensor:
     """SparseGPT's N:M pruning of ``w`` given ``xtx = X^T X`` over ``tokens`` rows of ``X``.
 
     ``update=False`` keeps the mask the algorithm chooses and returns the original weights under it.
-    Raises :class:`SingularHessian` when the damped Hessian cannot be factored.
+    ``scales`` (fp32, one per row): every kept entry ends on its row's grid ``k * s`` (``|k| <= levels``); with
+    ``update`` its rounding error is moved onto the later columns (the joint solve), without it the kept
+    originals are rounded to nearest. Raises :class:`SingularHessian` when the damped Hessian cannot be factored.
     """
     original = w.float()
+    grid = None if scales is None else scales.float()
     upper, dead = inverse_hessian_factor(xtx, tokens, percdamp)
     # columns as rows (contiguous): the column sweep reads and updates whole rows of wt
     wt = original.t().contiguous()
@@ -106,11 +114,23 @@ def sparsegpt(w: torch.Tensor, xtx: torch.Tensor, tokens: int, n: int, m: int, *
                     drop = torch.topk(score, m - n, dim=0, largest=False).indices + i
                     pruned[start:end].scatter_(0, drop, True)
                 col = block[i]
-                e = col * pruned[start + i] / u[i, i]  # the error of zeroing the pruned entries
-                block[i:].addr_(u[i, i:], e, alpha=-1.0)
-                block[i].masked_fill_(pruned[start + i], 0.0)
+                if grid is None:
+                    e = col * pruned[start + i] / u[i, i]  # the error of zeroing the pruned entries
+                    block[i:].addr_(u[i, i:], e, alpha=-1.0)
+                    block[i].masked_fill_(pruned[start + i], 0.0)
+                else:  # kept entries to their row's grid, pruned ones to zero: both errors move on
+                    target = _on_grid(col, grid, levels).masked_fill_(pruned[start + i], 0.0)
+                    e = (col - target) / u[i, i]
+                    block[i:].addr_(u[i, i:], e, alpha=-1.0)
+                    block[i].copy_(target)
                 err[i] = e
         wt[end:].addmm_(upper[start:end, end:].t(), err, alpha=-1.0)
     if not update:
-        return original.masked_fill(pruned.t(), 0.0)
+        kept = original.masked_fill(pruned.t(), 0.0)
+        return kept if grid is None else _on_grid(kept.t(), grid, levels).t().contiguous()
     return wt.masked_fill_(pruned, 0.0).t().contiguous()
+
+
+def _on_grid(cols: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """Each entry of ``cols`` (``[..., rows]``, row ``r`` scaled by ``scales[r]``) rounded to its row's grid."""
+    return torch.round(cols / scales).clamp_(-levels, levels).mul_(scales)

@@ -49,6 +49,7 @@ class NoCalibration(ValueError):
 class Solved:
     weight: torch.Tensor  # the new weight, in the parameter's dtype
     notes: list[str] = field(default_factory=list)  # named fallbacks
+    scales: torch.Tensor | None = None  # bits=8: fp32 [*experts, out rows], the grid each row's kept entries are on
 
 
 def calibrated(model: nn.Module) -> list[tuple[str, list, object]]:
@@ -80,6 +81,7 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
         )
     columns = to_columns(param.float(), dim)
     out = torch.empty_like(columns)
+    scales = torch.ones(columns.shape[:-1]) if recipe.bits == 8 else None
     cols = columns.shape[-1]
     notes: list[str] = []
     for index in itertools.product(*(range(size) for size in columns.shape[:-2])):
@@ -89,20 +91,34 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
             out[index] = masks.prune(w, recipe.n, recipe.m, -1)
             notes.append(f"{where}: no calibration token reached it (a graph break, an unused expert, or a layer "
                          "outside the compiled model); pruned by magnitude")
+            if scales is not None:
+                out[index], scales[index] = _to_grid(out[index])
             continue
         if recipe.gram and tokens < cols:
             notes.append(f"{where}: {tokens} calibration tokens for {cols} input columns, so X^T X has rank <= "
                          f"{tokens}; solved with its dampening ({recipe.percdamp}); calibrate on at least {cols} tokens")
         try:
-            out[index] = recipe.solve_columns(w, stat[index], tokens)
+            out[index], row_scales = recipe.solve_quantized(w, stat[index], tokens)
+            if scales is not None:
+                scales[index] = row_scales
         except SingularHessian as err:
             out[index] = masks.oneshot.wanda(w, torch.diagonal(stat[index]), recipe.n, recipe.m)
             notes.append(f"{where}: {err}; pruned by Wanda's score |W| * ||X|| instead, without updates "
                          f"(raise percdamp, e.g. {recipe.name}:{recipe.n}:{recipe.m},percdamp=0.1)")
+            if scales is not None:
+                out[index], scales[index] = _to_grid(out[index])
     if not bool(torch.isfinite(out).all()):
         raise ValueError(f"nmcompile.finalize: {name} ({recipe}): the solve gave non-finite weights; nothing was "
                          "changed. Raise percdamp or calibrate on more tokens")
-    return Solved(from_columns(out, param.shape, dim).to(param.dtype).contiguous(), notes)
+    return Solved(from_columns(out, param.shape, dim).to(param.dtype).contiguous(), notes, scales)
+
+
+def _to_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [rows, cols]`` rounded to nearest on each row's int8 grid (scale: its largest magnitude over 127)."""
+    from ..kernels.cpu24.quantize import LEVELS, row_scales
+
+    s = row_scales(w)
+    return torch.round(w / s[:, None]).clamp_(-LEVELS, LEVELS).mul_(s[:, None]), s
 
 
 def _live(stat: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,10 @@ def get(name: str, **overrides) -> Recipe:
 def _convert(cls: type[Recipe], key: str, text: str):
     field_type = {f.name: f.type for f in dataclasses.fields(cls)}.get(key, "str")
     kind = getattr(field_type, "__name__", str(field_type))
+    if kind.endswith(" | None"):  # an optional key: "none" leaves it out, anything else is its type
+        if text.lower() == "none":
+            return None
+        kind = kind[: -len(" | None")]
     try:
         if kind == "int":
             return int(text)

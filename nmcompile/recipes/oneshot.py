@@ -27,8 +27,17 @@ class OneShot(Recipe):
     #: whether ``stat`` is ``X^T X`` ([..., cols, cols]) or the per-column sum of squares ([..., cols])
     gram: ClassVar[bool] = False
 
+    #: 8: the kept weights end on a symmetric int8 grid, one fp32 scale per output row (SparseGPT: the joint
+    #: solve; Wanda: round to nearest), recorded for ``pack_weights`` (:meth:`solve_quantized`); None: float values
+    bits: int | None = None
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.bits is not None and (isinstance(self.bits, bool) or self.bits != 8):
+            raise ValueError(
+                f"{self.name}: bits={self.bits!r} is not supported; bits=8 puts the kept weights on an int8 grid with "
+                f"a scale per output row ({self.name}:{self.n}:{self.m},bits=8), or leave bits out for float values"
+            )
         if self.wgrad != "dense":
             raise ValueError(
                 f"{self.name}: wgrad={self.wgrad!r} does not apply: {self.name} prunes in one shot from calibration "
@@ -60,3 +69,15 @@ class OneShot(Recipe):
     def solve_columns(self, w: torch.Tensor, stat: torch.Tensor, tokens: int) -> torch.Tensor:
         """The pruned float32 matrix ``w [rows, cols]`` (N:M along ``cols``) from one matrix's statistics."""
         raise NotImplementedError
+
+    def solve_quantized(self, w: torch.Tensor, stat: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(solved w, scales)``: :meth:`solve_columns`, and with ``bits=8`` the fp32 scale of each row whose int8
+        grid the solved kept entries lie on (here: rounded to nearest after the solve, each row's scale its
+        largest kept magnitude over 127; SparseGPT solves jointly instead). Without ``bits``: ``(w, None)``."""
+        solved = self.solve_columns(w, stat, tokens)
+        if self.bits != 8:
+            return solved, None
+        from ..kernels.cpu24.quantize import LEVELS, row_scales
+
+        scales = row_scales(solved)
+        return torch.round(solved / scales[:, None]).clamp_(-LEVELS, LEVELS).mul_(scales[:, None]), scales

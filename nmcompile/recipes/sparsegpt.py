@@ -4,7 +4,8 @@ From ``H = X^T X / tokens`` (dampened by ``percdamp`` times its mean diagonal), 
 along the reduction dimension left to right, choosing the N kept of each M by ``w^2 / [H^-1]_jj^2``
 and moving each column's pruning error onto the columns not yet done through the inverse Hessian,
 ``blocksize`` columns at a time (:func:`nmcompile.masks.oneshot.sparsegpt`). ``update=False`` keeps
-the chosen mask and the original values (mask only). State: ``xtx`` (``X^T X`` of the inputs that
+the chosen mask and the original values (mask only). ``bits=8``: the joint solve (each kept weight
+rounded to its row's int8 grid in the sweep, its rounding error moved on as the pruning error is). State: ``xtx`` (``X^T X`` of the inputs that
 reached the weight, float32) and ``count`` (tokens). See :mod:`nmcompile.recipes.oneshot`.
 """
 
@@ -42,6 +43,16 @@ class SparseGPT(OneShot):
         if not isinstance(self.update, bool):
             raise ValueError(f"sparsegpt: update={self.update!r} must be True or False")
 
-    def solve_columns(self, w, stat, tokens):
+    def solve_columns(self, w, stat, tokens, scales=None):
         return masks.oneshot.sparsegpt(w, stat, tokens, self.n, self.m, blocksize=self.blocksize,
-                                       percdamp=self.percdamp, update=self.update)
+                                       percdamp=self.percdamp, update=self.update, scales=scales)
+
+    def solve_quantized(self, w, stat, tokens):
+        """``bits=8``: the joint solve on each row's grid, the scale its largest magnitude before the solve over
+        127 (kept entries the updates push past it are clamped to +-127 steps)."""
+        if self.bits != 8:
+            return self.solve_columns(w, stat, tokens), None
+        from ..kernels.cpu24.quantize import row_scales
+
+        scales = row_scales(w)
+        return self.solve_columns(w, stat, tokens, scales), scales

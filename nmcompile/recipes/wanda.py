@@ -2,8 +2,9 @@
 
 Keeps, in each output row, the N of every M weights along the reduction dimension with the largest
 ``|W_ij| * ||X_j||_2``, where ``||X_j||`` is the norm of input feature ``j`` over the calibration
-tokens; the kept weights keep their values. State: ``sq`` (per input column, the sum of squares of
-the inputs that reached the weight) and ``count`` (tokens). See :mod:`nmcompile.recipes.oneshot`.
+tokens; the kept weights keep their values (``bits=8``: rounded to nearest on each row's int8
+grid). State: ``sq`` (per input column, the sum of squares of the inputs that reached the weight) and
+``count`` (tokens). See :mod:`nmcompile.recipes.oneshot`.
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ def test_errors_name_the_problem():
         torch.ops.nmsparse.cpu24_linear(x, values, bits, None, None, 16, -1, "emulated512_bf16")
     with pytest.raises(ValueError, match="cpu_layout takes"):
         cpu24.cpu_layout(values, bits)
-    with pytest.raises(RuntimeError, match="fp32, bf16 or fp16 weights, got Int"):  # unpacked by bits, not blindly
+    with pytest.raises(RuntimeError, match="fp32, bf16, fp16 or int8 weights, got Int"):  # unpacked by bits, not blindly
         torch.ops.nmsparse.cpu24_unpack(values.view(torch.int32), bits, 16)
     missing = [isa for isa in cpu24.ISAS if isa not in cpu24.isas()]
     if missing:

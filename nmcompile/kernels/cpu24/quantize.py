@@ -31,14 +31,29 @@ def row_scales(values: Tensor) -> Tensor:
     return torch.where(top > 0, top / LEVELS, torch.ones_like(top))
 
 
-def quantize_layout(values: Tensor, out_features: int) -> tuple[Tensor, Tensor]:
+#: how far from its grid point (in steps) a value may lie and still be read as on it: a point ``k * s`` (``|k| <=
+#: 127``) stored in bf16 is off by at most ``127 * 2**-9`` = 0.25 steps, in fp16 0.06, in fp32 none
+ON_GRID = 0.3
+
+
+def quantize_layout(values: Tensor, out_features: int, scales: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """``(codes, scales)`` of the kernel layout's ``values`` ``[groups, K/16, GROUP, 8]`` (any float dtype):
     int8 codes in the same layout (round to nearest, ties to even) and fp32 scales ``[out_features]``; the
-    padding rows (past ``out_features``) are zeros and stay zeros."""
+    padding rows (past ``out_features``) are zeros and stay zeros. Given ``scales`` (a one-shot solve's grid),
+    the codes on that grid, or None where some value is not within :data:`ON_GRID` steps of it (the weight was
+    changed after the solve)."""
     groups, words, group, eight = values.shape
+    given = scales is not None
     rows = values.permute(0, 2, 1, 3).reshape(groups * group, words * eight)  # row-major copy of the kept values
-    scales = row_scales(rows)
-    codes = torch.round(rows.float() / scales[:, None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
+    if scales is None:
+        scales = row_scales(rows)
+    else:
+        scales = torch.cat([scales.float(), scales.new_ones(groups * group - scales.shape[0], dtype=torch.float32)])
+    steps = rows.float() / scales[:, None]
+    codes = torch.round(steps)
+    if given and bool(((steps - codes).abs() > ON_GRID).any() or (codes.abs() > LEVELS).any()):
+        return None
+    codes = codes.clamp_(-LEVELS, LEVELS).to(torch.int8)
     codes = codes.reshape(groups, group, words, eight).permute(0, 2, 1, 3).contiguous()
     return codes, scales[:out_features].contiguous()
 
