@@ -13,6 +13,7 @@ GEMV's (dense bytes / time), the quiet 1-thread figures.
     python benchmarks/cpu/cpu_shared_cores.py                 # the best ISA here, fp32
     python benchmarks/cpu/cpu_shared_cores.py --isa avx2      # the AVX2 path on an AVX-512 CPU
     python benchmarks/cpu/cpu_shared_cores.py --layers 8 --out benchmarks/results/cpu_shared_cores.json
+    python benchmarks/cpu/cpu_shared_cores.py --int8 --dtype bf16 --interleaved   # 2:4 with int8 values
 
 Numbers are as good as the machine is quiet apart from the loop this script starts.
 """
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 import nmcompile
 from nmcompile.kernels import cpu24
+from nmcompile.kernels.cpu24.quantize import quantize_layout
 
 if __package__ in (None, ""):  # run as a file: the repository root, after the installed packages
     sys.path.append(str(Path(__file__).resolve().parents[2]))
@@ -48,19 +50,24 @@ def weights(layers: int, size: int, dtype: torch.dtype):
         w = nmcompile.masks.prune(torch.randn(size, size, generator=generator), 2, 4, 1).to(dtype)
         packed = nmcompile.pack(w)
         values, bits = cpu24.cpu_layout(packed.values, packed.meta)
-        out.append((w, values, bits))
+        out.append((w, values, bits, *quantize_layout(values, size)))  # and the int8 codes, scales
     return out
 
 
-def methods(stack, isa: str, size: int, dtype: torch.dtype) -> dict:
+def methods(stack, isa: str, size: int, dtype: torch.dtype, int8: bool = False) -> dict:
     x0 = torch.randn(1, size).to(dtype)
-    op = torch.ops.nmsparse.cpu24_linear
+    op, q8 = torch.ops.nmsparse.cpu24_linear, torch.ops.nmsparse.cpu24_linear_q8
 
     def run(sparse: bool):
         def call():
             x = x0
-            for w, values, bits in stack:
-                x = op(x, values, bits, None, None, size, -1, isa) if sparse else F.linear(x, w)
+            for w, values, bits, codes, scales in stack:
+                if not sparse:
+                    x = F.linear(x, w)
+                elif int8:
+                    x = q8(x, codes, bits, scales, None, size, -1, isa)
+                else:
+                    x = op(x, values, bits, None, None, size, -1, isa)
             return x
 
         return call
@@ -73,7 +80,7 @@ def child(args) -> int:
     dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.child)
     stack = weights(args.layers, args.size, dtype)
-    fns = methods(stack, args.isa, args.size, dtype)
+    fns = methods(stack, args.isa, args.size, dtype, args.int8)
     if args.method != "both":
         fns = {args.method: fns[args.method]}
     with torch.no_grad():
@@ -87,6 +94,7 @@ def measure(args, threads: int) -> dict:
     for method in ("both",) if args.interleaved else ("kernel", "dense"):
         cmd = [sys.executable, __file__, "--child", str(threads), "--method", method, "--isa", args.isa, "--dtype",
                args.dtype, "--layers", str(args.layers), "--size", str(args.size), "--rounds", str(args.rounds)]
+        cmd += ["--int8"] if args.int8 else []
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         times = json.loads(done.stdout.strip().splitlines()[-1])
         out.update({f"{name}_{threads}t": {"median_ms": statistics.median(t) * 1e3,
@@ -104,6 +112,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--out")
     parser.add_argument("--interleaved", action="store_true", help="kernel and dense alternately in one process")
+    parser.add_argument("--int8", action="store_true", help="the kernel on int8 values (cpu24_linear_q8), activations "
+                        "in --dtype")
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--method", default="both", choices=("kernel", "dense", "both"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -117,8 +127,10 @@ def main() -> int:
     cores = sorted(os.sched_getaffinity(0))
     element = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
     dense_bytes = args.layers * args.size * args.size * element
-    packed_bytes = args.layers * (args.size * args.size // 2 * element + args.size * args.size // 16 * 2)
-    result = {"cpu": cpu_name(), "torch": torch.__version__, "isa": isa, "dtype": args.dtype,
+    value_bytes = 1 if args.int8 else element
+    packed_bytes = args.layers * (args.size * args.size // 2 * value_bytes + args.size * args.size // 16 * 2
+                                  + (args.size * 4 if args.int8 else 0))
+    result = {"cpu": cpu_name(), "torch": torch.__version__, "isa": isa, "dtype": args.dtype, "int8": args.int8,
               "layers": args.layers, "size": args.size, "cores": cores, "interleaved": args.interleaved,
               "load_before": os.getloadavg()[0], "nmcompile": os.path.dirname(nmcompile.__file__)}
     result["quiet"] = {**measure(args, 1), **measure(args, 2)}

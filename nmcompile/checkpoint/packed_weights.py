@@ -182,6 +182,8 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
     With ``bits=8`` the output head, the largest weight a decoded token reads, becomes dense int8 rows too
     (``nmsparse::cpu24_dense_q8``), and an input embedding tied to it looks its rows up in that table:
     ``head="auto"`` is a Hugging Face model's ``get_output_embeddings()``, a name picks a module, None keeps it.
+    ``bits=None`` on a model a one-shot recipe with ``bits=8`` was solved for (``sparsegpt:2:4,bits=8``) means 8:
+    those layers are held on the grid the solve recorded, with no second rounding.
     """
     if bits not in BITS:
         raise ValueError(f"nmcompile.deploy.pack_weights: bits={bits!r} is not supported; bits=8 holds the kept values "
