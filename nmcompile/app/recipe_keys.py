@@ -18,7 +18,7 @@ __all__ = ["recipe_keys", "recipe_lines"]
 def _spelled(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
-    return str(value)
+    return "none" if value is None else str(value)  # an optional key left out, as a spec writes it
 
 
 def _builds(cls, **keys) -> bool:
