@@ -115,10 +115,9 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
 
 def _to_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [rows, cols]`` rounded to nearest on each row's int8 grid (scale: its largest magnitude over 127)."""
-    from ..kernels.cpu24.quantize import LEVELS, row_scales
+    from ..kernels.cpu24.quantize import round_rows
 
-    s = row_scales(w)
-    return torch.round(w / s[:, None]).clamp_(-LEVELS, LEVELS).mul_(s[:, None]), s
+    return round_rows(w)
 
 
 def _live(stat: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

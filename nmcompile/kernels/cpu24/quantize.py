@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["LEVELS", "row_scales", "quantize_layout", "quantize_dense", "dense_rows"]
+__all__ = ["LEVELS", "row_scales", "round_rows", "quantize_layout", "quantize_dense", "dense_rows"]
 
 #: the largest int8 code used: the grid is -LEVELS..LEVELS
 LEVELS = 127
@@ -34,6 +34,13 @@ def row_scales(values: Tensor) -> Tensor:
 #: how far from its grid point (in steps) a value may lie and still be read as on it: a point ``k * s`` (``|k| <=
 #: 127``) stored in bf16 is off by at most ``127 * 2**-9`` = 0.25 steps, in fp16 0.06, in fp32 none
 ON_GRID = 0.3
+
+
+def round_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``(w on its rows' int8 grids, scales)``: each row of ``w [rows, cols]`` rounded to nearest on the grid of
+    :func:`row_scales` (values stay float: the one-shot solves' ``bits=8`` result before it is packed)."""
+    scales = row_scales(w)
+    return torch.round(w / scales[:, None]).clamp_(-LEVELS, LEVELS).mul_(scales[:, None]), scales
 
 
 def quantize_layout(values: Tensor, out_features: int, scales: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
