@@ -15,8 +15,9 @@ why), checked N:M, and saved by :func:`nmcompile.deploy.save_pretrained`: a Hugg
 (safetensors, loadable without nmcompile) or ``model.pt``, plus ``nmcompile.json`` (which weight is N:M
 along which dim: :func:`nmcompile.deploy.load_pretrained` loads the directory as deployed) and, for 2:4,
 ``model_packed.pt`` with every 2:4 weight packed, when the packed weights take at most half the memory
-available and fit on the disk (otherwise a warning and ``nmcompile.json`` say why it was skipped). A disk
-that cannot take the weights is refused before calibrating.
+available and fit on the disk (otherwise a warning and ``nmcompile.json`` say why it was skipped); with
+``bits=8`` (``sparsegpt:2:4,bits=8``), ``model_int8.safetensors`` with the int8 codes, positions and row scales
+beside the dequantized weights. A disk that cannot take the weights is refused before calibrating.
 
 The model keeps its own dtype (a bf16 checkpoint is calibrated and written in bf16; each weight's
 solve runs in float32); ``dtype`` overrides it. The output is written to a temporary folder beside
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import folders, saving
-from ..checkpoint.layout import PACKED_FILE, RECORD_FILE
+from ..checkpoint.layout import INT8_FILE, PACKED_FILE, RECORD_FILE
 from ..declare.annotate import annotate
 from ..deploy.finalize import finalize
 from ..deploy.inspection import check as check_nm
@@ -349,6 +350,9 @@ def file_role(name: str) -> str:
                 "check; load_pretrained does not read it: not needed to serve")
     if name == RECORD_FILE:
         return "ship: the layout record load_pretrained and check read"
+    if name == INT8_FILE:
+        return ("ship: the int8 codes, positions and row scales (about 5 bits a weight) that load_pretrained(packed="
+                "True) reads for the 2:4 weights; a plain from_pretrained reads their dequantized values instead")
     if name == "model.pt":
         return "ship: the whole model, its deploy records with it"
     if name.endswith((".safetensors", ".safetensors.index.json", ".bin")):

@@ -6,7 +6,15 @@ weight's recorded dim, with its recorded pattern; the weights the record keeps d
 checked, with why; a weight transformers wrote in parts under other names (a Mixtral's fused experts, one
 Linear weight per expert) is checked part by part, as the record's ``saved`` names them. Without a record,
 every >= 2-D tensor is checked along ``dim`` (default 1), and a failed check gets a hint
-(:func:`suggestion`) that fits the file. Safetensors files are read one tensor at a time.
+(:func:`suggestion`) that fits the file. Safetensors files are read one tensor at a time. A directory whose
+record marks weights ``bits`` 8 has their int8 codes checked against the dense files' values too.
+
+A checkpoint often nests the model's state dict (``{"model": sd, "optimizer": ..., "epoch": 3}``):
+:func:`find_state_dict` takes the one dict of tensors it holds, preferring the entries named
+``state_dict``, ``model_state_dict`` or ``model`` when there are several (an optimizer's state is a
+dict of tensors too), and raises ValueError when it cannot tell. Files are read with
+``torch.load(weights_only=True)``; anything that cannot be read that way is a ValueError naming the
+file and why, in one line (:func:`load_state_dict`).
 """
 
 from __future__ import annotations
@@ -24,12 +32,94 @@ from ..kernels.format24 import META_SUFFIX, packed_dims, packed_record, unpack_s
 from ..pattern import NMPattern
 from ..masks.compliance import CheckReport, check_one, selects
 from .conversions import part_dim
+from .int8_weights import Int8File, check_against
 from .layout import PACKED_FILE, Layout, read_layout
-from .state_dicts import find_state_dict, load_state_dict
 from .weight_files import tensor_sources, weight_files
 
-__all__ = ["check_path", "check_state"]
+__all__ = ["check_path", "check_state", "load_state_dict", "find_state_dict"]
 
+#: names under which checkpoints keep the model's state dict, first preferred
+PREFERRED = ("state_dict", "model_state_dict", "model")
+
+
+def _tensor_dicts(obj: Mapping, path: tuple = ()):
+    """``(path, mapping)`` for each mapping in ``obj`` (``obj`` included) that holds tensors directly."""
+    if any(isinstance(v, torch.Tensor) for v in obj.values()):
+        yield path, obj
+        return
+    for key, value in obj.items():
+        if isinstance(value, Mapping):
+            yield from _tensor_dicts(value, (*path, key))
+
+
+def _where(path: tuple) -> str:
+    return "".join(f"[{key!r}]" for key in path)
+
+
+def find_state_dict(obj: Mapping, what: str) -> tuple[Mapping, str]:
+    """``(state dict, where)``: the dict of tensors in ``obj``, and its place (``"['model']"``; ``""``
+    for ``obj`` itself). ``what`` names ``obj`` in errors."""
+    found = list(_tensor_dicts(obj))
+    if len(found) > 1:
+        for name in PREFERRED:
+            named = [(path, sd) for path, sd in found if path[:1] == (name,)]
+            if len(named) == 1:
+                found = named
+                break
+    if not found:
+        raise ValueError(
+            f"{what} holds no tensors; expected a state dict (name -> tensor), e.g. torch.save(model.state_dict(), "
+            "path), or a checkpoint dict that holds one"
+        )
+    if len(found) > 1:
+        places = ", ".join(_where(path) for path, _ in found[:5]) + (" ..." if len(found) > 5 else "")
+        raise ValueError(
+            f"{what} holds several dicts of tensors ({places}) and none is under "
+            f"{' / '.join(repr(p) for p in PREFERRED)}; pass the state dict to check, e.g. "
+            f"nmcompile.check(torch.load(path){_where(found[0][0])})"
+        )
+    path, state = found[0]
+    return state, _where(path)
+
+
+def _why_unreadable(err: Exception) -> str:
+    if isinstance(err, EOFError):
+        return "the file is empty or ends early (truncated?)"
+    if isinstance(err, OSError):
+        return f"not a readable torch.save file: its zip archive ends early or is damaged (truncated or corrupt? {err})"
+    text = str(err)
+    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if refused:
+        return (
+            f"it pickles a {refused.group(1)} object, which torch.load(weights_only=True) does not load (a whole "
+            "model or other Python objects); save model.state_dict() instead"
+        )
+    detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    if detail:
+        return (
+            f"not a file torch.load(weights_only=True) reads ({detail.group(1).strip()}): a plain pickle or another "
+            "format? save the state dict with torch.save(model.state_dict(), path)"
+        )
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"not a readable torch.save file (truncated or corrupt? {type(err).__name__}: {first.split('. ')[0]})"
+
+
+def load_state_dict(path) -> tuple[Mapping, str]:
+    """``(state dict, where)`` from a ``torch.save``'d state dict or checkpoint at ``path``
+    (see :func:`find_state_dict`). Unreadable files raise ValueError (missing ones: OSError)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+        raise  # missing or unreadable path: the OS's own error names it
+    except Exception as err:  # garbage bytes fail anywhere in the unpickler (KeyError, struct.error, ...), and a
+        # truncated archive in the zip reader's seeks (OSError: [Errno 22] Invalid argument)
+        raise ValueError(f"{os.fspath(path)}: {_why_unreadable(err)}") from err
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"{os.fspath(path)}: expected a state dict (name -> tensor), found {type(state).__name__}; "
+            "save model.state_dict()"
+        )
+    return find_state_dict(state, os.fspath(path))
 
 
 def _recorded(report: CheckReport, items: Iterable[tuple[str, Callable[[], torch.Tensor]]], layout: Layout,
@@ -161,9 +251,28 @@ def _check_safetensors(files, path: str, pattern, dim, only, layout: Layout | No
     report = CheckReport()
     if layout is not None:
         _recorded(report, items, layout, pattern, dim, only, complete, path)
+        if complete:
+            _check_int8(report, layout, os.path.dirname(files[0]), sources)
     else:
         _unrecorded(report, items, pattern, dim, only, {}, path)
     return report
+
+
+def _check_int8(report: CheckReport, layout: Layout, directory: str, sources: dict) -> None:
+    """The int8 codes of the weights the record marks ``bits`` 8, against the weights files' values."""
+    wanted = [name for name, w in layout.weights.items() if w.bits == 8 and name in report]
+    if not wanted:
+        return
+    try:
+        found = Int8File(directory, layout)
+    except ValueError as err:
+        for name in wanted:
+            report[name] = dataclasses.replace(report[name], problem=str(err))
+        return
+    for name in wanted:
+        problem = check_against(found, name, sources[name].read(name))
+        if problem:
+            report[name] = dataclasses.replace(report[name], problem=problem)
 
 
 # What to check instead, when a check without a layout record fails: a --dim and --only that fit the file.

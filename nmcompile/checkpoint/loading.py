@@ -31,7 +31,8 @@ from ..state.deployed import Deployed
 from ..state.records import DEPLOYED, owners
 from . import conversions
 from .layout import Layout
-from .packed_weights import RangeRule, is_trainable, set_packed
+from .int8_weights import Int8File, record_grids
+from .packed_weights import INT8_REASON, RangeRule, _head_of, _pack_head, is_trainable, set_packed
 from .restore import layout_from, restore
 from .streaming import chunk_budget, packable, read_dense, read_packed
 from .weight_files import tensor_sources, weight_files
@@ -132,7 +133,7 @@ def _model_class(config, model_class):
 
 
 def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = None, model_class=None,
-                    measure: bool = True) -> nn.Module:
+                    measure: bool = True, head: str | None = "auto") -> nn.Module:
     """The model a deployed directory holds, with its N:M weights recorded as deployed (eval mode).
 
     Args:
@@ -151,6 +152,13 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
             does (decisions are cached on disk: a second process reads them instead of timing; a shape
             timed here holds at most 64 MB of scratch copies while it is timed); without it the kernel
             takes every token count.
+        head: for a directory whose 2:4 weights hold int8 values (``"bits": 8`` in its record), loaded
+            ``packed``: the output head held as dense int8 rows, as ``pack_weights(model, bits=8, head=...)``
+            holds it (``"auto"``: ``get_output_embeddings()``; a module name; None keeps it as stored).
+
+    A directory with int8 values (a ``bits=8`` one-shot solve, or a model unpacked from int8) loads
+    ``packed`` straight from its int8 file (codes, positions, scales); dense, each such weight is its
+    dequantized value with its grid recorded, so ``pack_weights(model)`` holds it on that grid again.
 
     Then ``nmcompile.check(model)`` passes and ``torch.compile(model, backend="nmsparse")`` deploys it.
 
@@ -172,6 +180,7 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     if not packed:
         model = cls.from_pretrained(path, local_files_only=True, dtype=dtype or "auto")
         restore(model, layout)
+        record_grids(model, layout, path)
         return model.eval()
     state = cpu24.status()
     if not state.available:
@@ -185,15 +194,20 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
         dtype_built = dtype
     model = _build_on_meta(cls, config, dtype_built)
     _compute_buffers(model, sources)
-    _stream(model, layout, sources, dtype, measure)
+    _stream(model, layout, sources, dtype, measure, path)
+    found = _head_of(model, head) if any(w.bits == 8 for w in layout.weights.values()) else None
+    if found is not None:
+        _pack_head(model, *found)
     generation = os.path.join(path, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
     return model.eval()
 
 
-def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype | None, measure: bool) -> None:
-    """Fill the meta parameters of ``model`` from ``sources``, the recorded 2:4 weights packed."""
+def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype | None, measure: bool,
+            directory: str) -> None:
+    """Fill the meta parameters of ``model`` from ``sources``, the recorded 2:4 weights packed (those with int8
+    values from the directory's int8 file)."""
     plan, missing, loaded, known = [], [], set(), set()
     for name, places in owners(model):
         names = [f"{m}.{p}" if m else p for m, _, p in places]
@@ -216,6 +230,7 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             + (f"the layout record names weights the model does not have: {', '.join(unknown[:10])}; " if unknown else "")
             + "the directory was written for another model, or is incomplete"
         )
+    int8_file = Int8File(directory, layout) if any(w.bits == 8 for w in layout.weights.values()) else None
     sparse = sum(sources[k].shape(k)[0] * sources[k].shape(k)[1] for k in layout.weights
                  if k in sources and len(sources[k].shape(k)) == 2)
     budget = chunk_budget(sparse)
@@ -234,7 +249,12 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
         why = None if entry.pattern == NMPattern(2, 4) else f"{entry.pattern} is not 2:4"
         why = why or packable(source.shape(key), entry.dim, dtype or source.dtype(key))
         record = Deployed(entry.pattern, entry.dim, entry.recipe)
-        if why is None:
+        if why is None and entry.bits == 8:  # its codes, positions and scales: the dense copy is not read
+            weight = int8_file.packed(next(n for n in names if n in layout.weights), dtype or source.dtype(key))
+            _hold_packed(weight, places, measure, f"{INT8_REASON}; loaded")
+            for _, module, pname in places:
+                records.put(module, records.INT8, pname, weight.scales)
+        elif why is None:
             weight, bad, total = read_packed(source, key, dtype, entry.dim in (0, -2), budget)
             if bad:
                 _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} keep more than 2 of 4")

@@ -178,7 +178,8 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
     (activations and output), the products on the codes in fp32, each row's sum scaled once. Weights packed
     already are quantized where they hold float values; ``bits=None`` never dequantizes int8 ones
     (:func:`unpack_weights` does). Their token range is the float kernel's on the same shape, as
-    :data:`INT8_REASON` says. A model holding int8 values cannot be saved packed yet (refused by name).
+    :data:`INT8_REASON` says. To save a model holding int8 values, :func:`unpack_weights` it first (it records
+    each grid) and call ``save_pretrained``: the directory holds the codes beside the dequantized weights.
     With ``bits=8`` the output head, the largest weight a decoded token reads, becomes dense int8 rows too
     (``nmsparse::cpu24_dense_q8``), and an input embedding tied to it looks its rows up in that table:
     ``head="auto"`` is a Hugging Face model's ``get_output_embeddings()``, a name picks a module, None keeps it.
@@ -249,7 +250,9 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
 def unpack_weights(model: nn.Module) -> list[str]:
     """Give every packed-only weight its dense parameter back (a new tensor each); the names. Each is
     trainable as the weight it replaced was (``requires_grad``: a model's own weights, a loaded
-    checkpoint's too, are; one frozen before :func:`pack_weights` stays frozen)."""
+    checkpoint's too, are; one frozen before :func:`pack_weights` stays frozen). A 2:4 weight with int8
+    values becomes its dequantized weight (code times scale), its grid recorded: ``save_pretrained`` writes
+    its codes, and ``pack_weights`` holds it on the same grid again."""
     done = []
     for name, places in owners(model):
         param = places[0][1]._parameters[places[0][2]]
@@ -257,6 +260,8 @@ def unpack_weights(model: nn.Module) -> list[str]:
             dense = nn.Parameter(param.dense().contiguous(), requires_grad=getattr(param, TRAINABLE_ATTR, True))
             for _, holder, attr in places:
                 holder._parameters[attr] = dense
+                if param.quantized and not param.dense_rows:  # its grid, for a save or a later pack_weights
+                    records.put(holder, records.INT8, attr, param.scales.clone())
             done.append(name)
     return done
 

@@ -3,7 +3,9 @@
 :func:`save_pretrained` writes what ``model.save_pretrained`` writes (or ``model.pt`` for a model that is
 not a Hugging Face one), the layout record ``nmcompile.json`` (also in each safetensors file's metadata),
 and ``model_packed.pt``, the state dict with every 2:4 weight packed (:func:`nmcompile.deploy.pack_state_dict`,
-GPT-2's ``Conv1D`` weights as their transpose), when every N:M weight can be packed. Everything is written
+GPT-2's ``Conv1D`` weights as their transpose), when every N:M weight can be packed; for the 2:4 weights on
+recorded int8 grids (a one-shot solve with ``bits=8``, or unpacked from int8), ``model_int8.safetensors`` with
+their codes, positions and row scales (:mod:`nmcompile.checkpoint.int8_weights`). Everything is written
 into a temporary folder beside the target and moved into place at the end, so an interrupted save leaves
 the target as it was (a new directory is renamed whole; into an existing one the files are moved one by one).
 """
@@ -26,7 +28,8 @@ from ..pattern import NMPattern
 from ..state import memory
 from ..state.records import root
 from . import conversions, folders
-from .layout import METADATA_KEY, OWN_FILES, PACKED_FILE, RECORD_FILE, Layout, layout_of, write_layout
+from .int8_weights import grids_of, write_int8
+from .layout import INT8_FILE, METADATA_KEY, OWN_FILES, PACKED_FILE, RECORD_FILE, Layout, layout_of, write_layout
 from .weight_files import stamp_safetensors, tensor_sources, weight_files
 
 __all__ = ["save_pretrained", "check_disk", "weight_file", "PACKED_FILE"]
@@ -197,6 +200,9 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
             torch.save(model, os.path.join(staging, "model.pt"))
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        grids = grids_of(model, layout) if hf else {}
+        if grids:  # weights on int8 grids: their codes beside the dense files (which hold code times scale)
+            write_int8(model, layout, grids, os.path.join(staging, INT8_FILE))
         why = _why_not_packed(model, layout, staging) if packed else None
         if packed and why is None:
             _write_packed(model, layout, os.path.join(staging, PACKED_FILE))

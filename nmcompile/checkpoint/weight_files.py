@@ -4,7 +4,8 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (each
 and byte range; free-form ``__metadata__`` strings) and the tensors' bytes. :class:`SafetensorsFile` reads
 the header and, on request, one tensor or a range of its leading rows with plain reads into a fresh
 tensor: nothing else of the file is resident, and no page of it is mapped into the process (a mapped
-file's pages would count in its resident memory). :func:`stamp_safetensors` rewrites a file's metadata.
+file's pages would count in its resident memory). :func:`stamp_safetensors` rewrites a file's metadata;
+:func:`write_safetensors` writes a file one tensor at a time, each made only when its bytes are written.
 Hugging Face directories hold ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json``; :func:`weight_files` finds them.
 """
@@ -19,7 +20,8 @@ from math import prod
 
 import torch
 
-__all__ = ["SafetensorsFile", "weight_files", "safetensors_metadata", "stamp_safetensors", "tensor_sources"]
+__all__ = ["SafetensorsFile", "weight_files", "safetensors_metadata", "stamp_safetensors", "tensor_sources",
+           "write_safetensors"]
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -81,6 +83,31 @@ def stamp_safetensors(path, metadata: dict[str, str]) -> None:
         finally:
             if os.path.exists(temporary):
                 os.remove(temporary)
+
+
+def write_safetensors(path, entries, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file of ``entries``: ``(name, dtype, shape, make)`` each, ``make()`` giving the
+    tensor (called when its bytes are written, so one entry's tensor is resident at a time). A tensor that is
+    not of the dtype and shape its entry said is a ValueError (the header was written for it)."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header, offset = {}, 0
+    for name, dtype, shape, _ in entries:
+        size = prod(shape) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.fspath(path), "wb") as handle:
+        handle.write(struct.pack("<Q", len(text)))
+        handle.write(text)
+        for name, dtype, shape, make in entries:
+            tensor = make()
+            if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"write_safetensors: {name!r} is {tensor.dtype} {list(tensor.shape)}, its entry says "
+                                 f"{dtype} {list(shape)}")
+            handle.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
 
 
 class SafetensorsFile:

@@ -105,7 +105,7 @@ def check(obj, pattern: NMPattern | str | None = None, *, dim: int | None = None
     Args:
         obj: an annotated or finalized ``nn.Module``, a ``{name: tensor}`` state dict (packed 2:4
             entries are unpacked) or a checkpoint dict that holds one (``{"model": sd, "epoch": 3}``,
-            see :func:`nmcompile.checkpoint.state_dicts.find_state_dict`), or the path of a model directory
+            see :func:`nmcompile.checkpoint.file_checks.find_state_dict`), or the path of a model directory
             written by :func:`nmcompile.deploy.save_pretrained` or ``nmcompile prune``, a ``.safetensors``
             file, an ``.onnx`` file or a ``torch.save``'d state dict or checkpoint. A directory, or a file
             in it, is checked with its layout record (``nmcompile.json``: each weight along its recorded

@@ -140,14 +140,15 @@ def pack(weight: torch.Tensor, check: bool = True) -> Packed24:
     return Packed24(values.flatten(-2).contiguous(), meta.contiguous())
 
 
-def unpack(packed: Packed24) -> torch.Tensor:
+def unpack(packed: Packed24, check: bool = True) -> torch.Tensor:
     """The dense weight (zeros at the dropped positions) that :func:`pack` packed.
 
     Raises ValueError for metadata that :func:`pack` cannot have written: a group whose two
     positions are not ``i0 < i1``, or whose kept positions are not the ones ``pack`` picks for the
     unpacked group (non-zeros first, then the first zeros). Metadata in CUTLASS's order fails that
     whenever a moved word lands on a group with zeros; a permutation of words that each fit their
-    new group is a valid packing of another weight and cannot be told apart.
+    new group is a valid packing of another weight and cannot be told apart. ``check=False`` asks only
+    ``i0 < i1``: for values that may be zero at a kept position (int8 codes of small kept weights).
     """
     values, meta = packed.values, packed.meta
     if meta.dtype != torch.int16 or values.shape[-1] != meta.shape[-1] * 2 * GROUPS_PER_WORD:
@@ -164,6 +165,7 @@ def unpack(packed: Packed24) -> torch.Tensor:
     valid = first < second
     if bool(valid.all()):
         dense.scatter_(-1, torch.stack([first, second], -1), groups)
+    if check and bool(valid.all()):
         expected = _kept_positions(dense)
         valid = (first == expected[0]) & (second == expected[1])
     if not bool(valid.all()):

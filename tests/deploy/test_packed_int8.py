@@ -8,6 +8,8 @@ import io
 import pytest
 import torch
 
+from nmcompile.state import records
+
 import nmcompile
 from nmcompile.deploy import PackedLinearWeight, pack_state_dict, pack_weights, unpack_weights
 from nmcompile.kernels import cpu24
@@ -119,12 +121,14 @@ def test_writes_and_checkpoints_are_refused_by_name_and_unpacking_dequantizes():
     pack_weights(model, bits=8, measure=False)
     with pytest.raises(RuntimeError, match="would write into a packed 2:4 weight"), torch.no_grad():
         model[0].weight.add_(1)
-    with pytest.raises(NotImplementedError, match=r"with int8 values: checkpoints do not hold int8 values"):
+    with pytest.raises(NotImplementedError, match=r"with int8 values: the packed state dict holds float values only"):
         pack_state_dict(model.state_dict())
     dequantized = {i: model[i].weight.dense() for i in LAYERS}
+    scales = {i: model[i].weight.scales.clone() for i in LAYERS}
     assert unpack_weights(model) == ["0.weight", "2.weight"]
     for i in LAYERS:
         assert type(model[i].weight) is torch.nn.Parameter and torch.equal(model[i].weight.detach(), dequantized[i])
+        assert torch.equal(records.get(model[i], records.INT8, "weight"), scales[i])  # for a save, or packing again
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -152,10 +152,11 @@ class PackedLinearWeight(Tensor):
         """``(values, meta)`` in :func:`nmcompile.pack`'s format, for checkpoints."""
         if self.quantized:
             raise NotImplementedError(
-                f"a packed 2:4 weight {list(self.weight_shape)} with int8 values: checkpoints do not hold int8 "
-                "values and their scales yet, and writing the codes without them would lose the weight; save "
-                "the model before nmcompile.deploy.pack_weights(model, bits=8), or unpack it first "
-                "(nmcompile.deploy.unpack_weights(model): the dequantized weights)"
+                f"a packed 2:4 weight {list(self.weight_shape)} with int8 values: the packed state dict holds "
+                "float values only, and writing the codes without their scales would lose the weight; call "
+                "nmcompile.deploy.unpack_weights(model) (it records each int8 grid) and "
+                "nmcompile.deploy.save_pretrained(model, DIR), which writes the codes and scales beside the "
+                "dequantized weights"
             )
         return cpu24.packed_layout(self.values, self.bits, self.weight_shape[0])
 
