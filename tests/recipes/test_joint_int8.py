@@ -96,3 +96,20 @@ def test_a_weight_changed_after_the_solve_is_rounded_again_and_says_so():
     decisions = nmcompile.deploy.pack_weights(model, measure=False)
     assert "left the one-shot solve's int8 grid" in decisions["0.weight"].reason
     assert "the one-shot solve's int8 grid" in decisions["2.weight"].reason
+
+
+def test_the_joint_solve_s_grid_is_the_first_solve_s_so_the_updates_are_not_clipped():
+    """The updates push kept weights past the row's largest magnitude before the solve; the grid is set from a
+    first solve without rounding, so the joint solve keeps them (a grid from the weights before would clip)."""
+    w, x = weight(24, 64), calibration(256, 64)
+    recipe = nmcompile.recipe("sparsegpt:2:4,bits=8")
+    first = recipe.solve_columns(w, x.T @ x, x.shape[0])
+    assert bool((first.abs() > w.abs().amax(1, keepdim=True)).any())  # what a grid from w would clip
+    solved, scales = recipe.solve_quantized(w, x.T @ x, x.shape[0])
+    assert torch.equal(scales, row_scales(first)) and on_grid(solved, scales) and nm_ok(solved, 2, 4)
+    clipped = masks.oneshot.sparsegpt(w, x.T @ x, x.shape[0], 2, 4, scales=row_scales(w))
+
+    def error(pruned):
+        return float((x @ w.T - x @ pruned.T).norm())
+
+    assert error(solved) < error(clipped)
