@@ -18,6 +18,7 @@ token reads (``real_scale.weight_bytes``), with the read bandwidth probed before
 
     python benchmarks/models/int8_decode.py --shape 1b --out benchmarks/results/int8_decode_1b.json
     python benchmarks/models/int8_decode.py --shape 1b --new-tokens 16 --prompt 32 --runs 1   # a quick look
+    python benchmarks/models/int8_decode.py --shape 1b --estimate   # and `nmcompile tune`'s estimate against it
 
 Run it alone: every figure is as good as the machine is quiet.
 """
@@ -82,6 +83,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--no-fp32", action="store_true", help="leave dense fp32 out (its decode is the slowest)")
+    ap.add_argument("--estimate", action="store_true", help="also `nmcompile tune`'s estimate of a token's cost in "
+                    "each format, timed after the decodes in this process, against the measured decode (target: 15%%)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import nmcompile.deploy
@@ -146,9 +149,41 @@ def main(argv=None) -> dict:
     for name, s in result["variants"].items():
         print(f"  {name:>24}: {s['decode_tok_s']:7.2f} tok/s decode, prefill {s['prefill_s']:.2f} s ({s['timed']})")
     print(json.dumps({k: result[k] for k in ("best", "ratios", "resident_vs_dense_bf16")}, indent=1), flush=True)
+    if args.estimate:
+        result["estimate"] = estimate_against(path, result["variants"], args.threads, args.prompt + args.new_tokens // 2)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return result
+
+
+#: the measured variant each format of the estimate is checked against (its best mode at that thread count)
+ESTIMATED = {"dense": "dense bf16", "2:4": "2:4 bf16", "2:4+int8": "2:4+int8", "torch int8": "torch int8"}
+
+
+def estimate_against(path: str, measured: dict, threads, context: int) -> dict:
+    """``nmcompile tune``'s estimate of a decoded token (:func:`nmcompile.app.tune.token_costs`) at each thread count,
+    against the best measured decode of each format: ``{threads: {format: {...}}}``, printed."""
+    from nmcompile.app.tune import token_costs
+
+    out = {}
+    before = torch.get_num_threads()
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            costs = token_costs(path, dtype=torch.bfloat16, context=context)
+            rows = {}
+            for c in costs:
+                tok_s = max(s["decode_tok_s"] for s in measured.values()
+                            if s["kind"] == ESTIMATED[c.format] and s["threads"] == t)
+                rows[c.format] = {"estimated_tok_s": 1 / c.seconds, "measured_tok_s": tok_s,
+                                  "estimate_over_measured": (1 / c.seconds) / tok_s,
+                                  "linears_ms": c.linear_seconds * 1e3, "other_ms": c.other_seconds * 1e3}
+                print(f"  estimate {t}t {c.format:>10}: {1 / c.seconds:6.2f} tok/s estimated, {tok_s:6.2f} measured "
+                      f"({(1 / c.seconds) / tok_s:.2f}x)", flush=True)
+            out[t] = rows
+    finally:
+        torch.set_num_threads(before)
+    return out
 
 
 if __name__ == "__main__":

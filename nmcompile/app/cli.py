@@ -115,7 +115,9 @@ def _positive_int(value: str) -> int:
 
 def _tune(args) -> int:
     from ..kernels.dispatch.cache import DIR_ENV  # torch is imported here, not for --help
-    from .tune import DTYPES, format_table, tune
+    import torch
+
+    from .tune import DTYPES, format_costs, format_table, token_costs, tune
 
     try:
         rows, skipped = tune(
@@ -127,6 +129,20 @@ def _tune(args) -> int:
         print(f"nmcompile tune: {err}", file=sys.stderr)
         return 2
     print(format_table(rows, skipped))
+    if not args.no_estimate:
+        before = torch.get_num_threads()
+        try:
+            for count in args.threads or [before]:
+                torch.set_num_threads(count)
+                costs = token_costs(args.model_dir, dtype=DTYPES[args.dtype[0]] if args.dtype else None,
+                                    progress=None if args.quiet else (
+                                        lambda line: print(f"timing {line}", file=sys.stderr, flush=True)))
+                print(format_costs(costs, count))
+        except (ImportError, ValueError, OSError, RuntimeError) as err:
+            print(f"nmcompile tune: no estimate of a token's cost: {err}", file=sys.stderr)
+            return 2
+        finally:
+            torch.set_num_threads(before)
     unwritable = sum(r.unwritable for r in rows)
     if unwritable:
         print(f"nmcompile tune: {unwritable} decisions could not be written to the decision cache (see the table); "
@@ -244,8 +260,10 @@ def main(argv=None) -> int:
         "decision in the decision cache ($NMCOMPILE_CACHE_DIR, else $XDG_CACHE_HOME/nmcompile or ~/.cache/nmcompile), "
         "keyed by CPU, threads, dtype, shape and versions: later processes then compile without timing. Run it on a "
         "quiet machine; a timing that cannot be right is not stored (the table says so). Output heads and MoE routers are left out "
-        "(kept dense by default) unless --all. Exit status 2 on bad input, 1 when the decision cache could not "
-        "be written.",
+        "(kept dense by default) unless --all. Then it estimates what a decoded token would cost the whole model in "
+        "each format (dense, 2:4, 2:4+int8, PyTorch's weight-only int8), from each linear shape's kernels timed here "
+        "at one token and the other bytes a token reads, before anything is pruned. Exit status 2 on bad input, 1 "
+        "when the decision cache could not be written.",
     )
     p.add_argument("model_dir", help="a local Hugging Face model directory (its config.json is read)")
     p.add_argument("--threads", type=_positive_int, nargs="+", help="thread counts to time at (default: torch's current, "
@@ -257,6 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=_positive_int, nargs="+", help="static token counts to time as well (a graph compiled "
                    "with a fixed count times that count alone; default: the dynamic ladder only)")
     p.add_argument("--all", action="store_true", help="also output heads and MoE routers")
+    p.add_argument("--no-estimate", action="store_true", help="leave out the estimate of what a decoded token would "
+                   "cost the whole model in each format (dense, 2:4, 2:4+int8, torch int8), timed on this machine")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=_tune)
     args = parser.parse_args(argv)

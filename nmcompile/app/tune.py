@@ -166,3 +166,157 @@ def format_table(rows: list[Tuned], skipped: dict[str, str]) -> str:
                                                                for name, why in list(skipped.items())[:5])
                    + (" ..." if len(skipped) > 5 else ""))
     return "\n".join(out)
+
+
+# What a decoded token would cost in each format, before anything is pruned: each distinct linear shape's
+# kernels timed at one token (weights rotated past the caches, formats interleaved), times how many layers
+# have that shape, plus the other bytes a token reads at the bandwidth the dense kernels reached.
+
+#: the formats a token's cost is estimated for: what the decoder's linears and the output head run as
+FORMATS = {"dense": ("dense", "dense"), "2:4": ("2:4", "dense"), "2:4+int8": ("2:4+int8", "int8 rows"),
+           "torch int8": ("torch int8", "torch int8")}
+#: weight bytes per timed variant: copies rotated so that a call never finds its weight in the caches
+COLD_BYTES = 256 << 20
+MAX_COPIES = 64
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    format: str
+    linear_seconds: float  # the decoder's linears and the head, one token
+    weight_bytes: int  # what they read
+    other_seconds: float  # norms, the embedding row, the KV cache at ``context``, at the dense kernels' bandwidth
+
+    @property
+    def seconds(self) -> float:
+        return self.linear_seconds + self.other_seconds
+
+
+def _weights(out_f: int, in_f: int, dtype: torch.dtype, head: bool) -> dict[str, tuple]:
+    """``{variant: tensors}`` of one random weight ``[out_f, in_f]`` (2:4 by magnitude unless ``head``) in each
+    variant's format."""
+    from ..kernels.cpu24.quantize import quantize_dense, quantize_layout, row_scales
+    from ..kernels.cpu24.weight import PackedLinearWeight
+    from ..masks.topn import prune
+
+    w = torch.randn(out_f, in_f).to(dtype)
+    if not head:
+        w = prune(w, 2, 4, 1)
+    scales = row_scales(w)
+    codes = torch.round(w.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    out = {"dense": (w,), "torch int8": (codes, scales.to(dtype))}
+    isa8 = cpu24.best_isa(torch.int8) or "avx2"
+    if head:  # a layer kept dense: int8 rows where the kernel takes it, else as it was
+        if in_f % 16:
+            out["int8 rows"] = out["dense"]
+        else:
+            values, s = quantize_dense(w)
+            out["int8 rows"] = (PackedLinearWeight(values, None, (out_f, in_f), -1, isa8, False, s, dtype),)
+        return out
+    values, bits, _ = cpu24.cpu_pack(w)
+    q_values, q_s = quantize_layout(values, out_f)
+    out["2:4"] = (PackedLinearWeight(values, bits, (out_f, in_f), -1, cpu24.best_isa(dtype) or ""),)
+    out["2:4+int8"] = (PackedLinearWeight(q_values, bits, (out_f, in_f), -1, isa8, False, q_s, dtype),)
+    return out
+
+
+def _call(variant: str, x: torch.Tensor, tensors: tuple) -> torch.Tensor:
+    if variant == "torch int8":
+        return torch.ops.aten._weight_int8pack_mm(x, *tensors)
+    return torch.nn.functional.linear(x, tensors[0])
+
+
+def _bytes(tensors: tuple) -> int:
+    return sum(t.nbytes_packed if hasattr(t, "nbytes_packed") else t.numel() * t.element_size() for t in tensors)
+
+
+def _time_shape(out_f: int, in_f: int, dtype: torch.dtype, head: bool, rounds: int) -> dict[str, tuple[float, int]]:
+    """``{variant: (median seconds of one call at one token, weight bytes)}``: each variant's copies called in turn
+    (so that no call finds its weight in the caches), the variants interleaved in each round."""
+    import copy
+    import statistics
+    import time
+
+    first = _weights(out_f, in_f, dtype, head)
+    copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // max(1, _bytes(first["dense"])))))
+    sets = [first] + [copy.deepcopy(first) for _ in range(copies - 1)]
+    x = torch.randn(1, in_f).to(dtype)
+    samples: dict[str, list[float]] = {name: [] for name in first}
+    with torch.no_grad():
+        for weights in sets[:2]:  # warm-up: first calls
+            for name, tensors in weights.items():
+                _call(name, x, tensors)
+        for _ in range(rounds):
+            for name in samples:
+                start = time.perf_counter()
+                for weights in sets:
+                    _call(name, x, weights[name])
+                samples[name].append((time.perf_counter() - start) / copies)
+    return {name: (statistics.median(t), _bytes(first[name])) for name, t in samples.items()}
+
+
+def token_costs(model_dir: str | Path, *, dtype: torch.dtype | None = None, context: int = 160, rounds: int = 7,
+                progress=None) -> list[TokenCost]:
+    """What one decoded token would cost the model in ``model_dir`` in each of :data:`FORMATS`, at torch's current
+    thread count: its linear shapes' kernels timed here at one token (the layers a declaration keeps dense, the
+    output head and MoE routers, as the format holds its head: dense, int8 rows or torch int8), plus the other
+    bytes a token reads (the non-linear parameters, one embedding row, the KV cache at ``context`` positions) at
+    the bandwidth the dense kernels reached. Python's and the framework's per-call work is not in it."""
+    if not cpu24.status().available:
+        raise RuntimeError(f"no estimate: the 2:4 CPU kernel is not available here ({cpu24.status().reason})")
+    sparse, _, config_dtype = linear_shapes(model_dir)
+    every, _, _ = linear_shapes(model_dir, include_heads=True)
+    dtype = dtype or config_dtype
+    seconds = {f: 0.0 for f in FORMATS}
+    nbytes = {f: 0 for f in FORMATS}
+    for (out_f, in_f, bias), names in every.items():
+        dense_names = [n for n in names if n not in sparse.get((out_f, in_f, bias), ())]
+        for head, count in ((False, len(names) - len(dense_names)), (True, len(dense_names))):
+            if not count:
+                continue
+            if progress:
+                progress(f"[{out_f}, {in_f}] x {count}{' (kept dense)' if head else ''}: one token in each format")
+            timed = _time_shape(out_f, in_f, dtype, head, rounds)
+            for fmt, (linear, kept) in FORMATS.items():
+                t, b = timed[kept if head else linear]
+                seconds[fmt] += count * t
+                nbytes[fmt] += count * b
+    bandwidth = nbytes["dense"] / seconds["dense"] if seconds["dense"] else 0.0
+    other = _other_bytes(model_dir, dtype, context)
+    return [TokenCost(f, seconds[f], nbytes[f], other / bandwidth if bandwidth else 0.0) for f in FORMATS]
+
+
+def _other_bytes(model_dir: str | Path, dtype: torch.dtype, context: int) -> int:
+    """The bytes a token reads besides the linear weights: the other parameters (norms; of an embedding, one row)
+    and the KV cache at ``context`` positions."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(module, nn.Embedding):
+                total += p.shape[1] * size
+            elif p.dim() < 2:
+                total += p.numel() * size
+    text = getattr(config, "text_config", None) or config
+    layers = getattr(text, "num_hidden_layers", 0) or 0
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 0) or 0) // heads
+    return total + 2 * layers * kv * head_dim * context * size
+
+
+def format_costs(costs: list[TokenCost], threads: int) -> str:
+    base = next(c for c in costs if c.format == "dense").seconds
+    head = ("format", "linears + head ms", "other ms", "ms/token", "tokens/s", "weight MB read", "vs dense")
+    lines = [(c.format, f"{c.linear_seconds * 1e3:.2f}", f"{c.other_seconds * 1e3:.2f}", f"{c.seconds * 1e3:.2f}",
+              f"{1 / c.seconds:.2f}", f"{c.weight_bytes / 1e6:.1f}", f"{base / c.seconds:.2f}x") for c in costs]
+    widths = [max(len(str(v)) for v in column) for column in zip(head, *lines)]
+    out = [f"what a decoded token would cost, estimated from this machine's kernels at {threads} thread(s) (Python's "
+           "and the framework's per-call work not counted):"]
+    out += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in (head, *lines)]
+    return "\n".join(out)

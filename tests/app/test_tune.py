@@ -132,3 +132,47 @@ def test_tune_says_what_it_could_not_store(llama_dir, fake_timer, capsys, monkey
     assert " stored" not in captured.out.replace("not stored", "")  # no row claims what did not happen
     assert f"decision cache: {blocker / 'cpu24'}: 0 of 4 decisions written" in captured.out
     assert code == 1 and "4 decisions could not be written" in captured.err
+
+
+@needs_kernel
+def test_the_estimate_sums_each_shape_s_kernels_in_every_format(llama_dir, monkeypatch):
+    """Each shape timed once per format and counted once per layer of that shape; the head as each format holds it;
+    the bytes are the formats' own (a fake clock: every call of a variant costs its code)."""
+    from nmcompile.app import tune as tune_module
+
+    calls = []
+    cost = {"dense": 4.0, "2:4": 2.0, "2:4+int8": 1.0, "torch int8": 3.0, "int8 rows": 1.5}
+
+    def time_shape(out_f, in_f, dtype, head, rounds):
+        calls.append((out_f, in_f, head))
+        weights = tune_module._weights(out_f, in_f, dtype, head)
+        return {name: (cost[name] * 1e-3, tune_module._bytes(t)) for name, t in weights.items()}
+
+    monkeypatch.setattr(tune_module, "_time_shape", time_shape)
+    costs = {c.format: c for c in tune_module.token_costs(llama_dir, dtype=torch.bfloat16)}
+    assert sorted(calls) == sorted([(64, 64, False), (32, 64, False), (128, 64, False), (64, 128, False),
+                                    (256, 64, True)])
+    layers = 2 * (2 + 2 + 2 + 1)  # q, o, k, v, gate, up, down per block
+    assert costs["dense"].linear_seconds == pytest.approx((layers + 1) * 4e-3)
+    assert costs["2:4"].linear_seconds == pytest.approx(layers * 2e-3 + 4e-3)  # the head dense
+    assert costs["2:4+int8"].linear_seconds == pytest.approx(layers * 1e-3 + 1.5e-3)  # the head int8 rows
+    assert costs["torch int8"].linear_seconds == pytest.approx((layers + 1) * 3e-3)
+    linear = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3)
+    assert costs["dense"].weight_bytes == 2 * (linear + 256 * 64)  # bf16
+    assert costs["2:4+int8"].weight_bytes < costs["torch int8"].weight_bytes < costs["2:4"].weight_bytes \
+        < costs["dense"].weight_bytes
+    # the other bytes (norms, an embedding row, the KV cache of 160 positions) at the dense kernels' bandwidth
+    other = 2 * (64 * (2 * 2 + 1) + 64) + 2 * 2 * 2 * 16 * 160 * 2
+    bandwidth = costs["dense"].weight_bytes / costs["dense"].linear_seconds
+    assert all(c.other_seconds == pytest.approx(other / bandwidth) for c in costs.values())
+
+
+@needs_kernel
+def test_the_command_prints_the_estimate_unless_told_not_to(llama_dir, fake_timer, capsys):
+    assert main(["tune", str(llama_dir), "--threads", "1", "--quiet", "--route", "compile"]) == 0
+    out = capsys.readouterr().out
+    assert "what a decoded token would cost, estimated from this machine's kernels at 1 thread(s)" in out
+    for fmt in ("dense", "2:4", "2:4+int8", "torch int8"):
+        assert any(line.split()[:1] == [fmt.split()[0]] for line in out.splitlines())
+    assert main(["tune", str(llama_dir), "--quiet", "--route", "compile", "--no-estimate"]) == 0
+    assert "what a decoded token would cost" not in capsys.readouterr().out
