@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import cpu24
-from ..kernels.cpu24.quantize import LEVELS, ON_GRID
+from ..kernels.cpu24.quantize import ON_GRID, grid_codes
 from ..kernels.cpu24.weight import PackedLinearWeight
 from ..kernels.format24 import Packed24, pack, unpack
 from ..state import records
@@ -60,16 +60,14 @@ def _codes(name: str, weight: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     """``(codes, meta)`` of a 2:4 ``[out, in]`` weight on the grid of ``scales``; ValueError naming the weight
     where a value is off it."""
     packed = pack(weight)
-    steps = packed.values.float() / scales[:, None]
-    codes = torch.round(steps)
-    off = ((steps - codes).abs() > ON_GRID) | (codes.abs() > LEVELS)
-    if bool(off.any()):
+    codes, off = grid_codes(packed.values, scales[:, None])
+    if off:
         raise ValueError(
-            f"nmcompile.deploy.save_pretrained: {int(off.sum())} kept values of {name} are not on the int8 grid recorded "
+            f"nmcompile.deploy.save_pretrained: {off} kept values of {name} are not on the int8 grid recorded "
             "for it (the weight changed after it was solved or packed with bits=8), so its int8 codes would not be the "
             "weight the files hold; prune it again with bits=8, or pack_weights(model, bits=8) (round to nearest) and "
             "unpack_weights(model) to record the new grid, or drop the grids to save float values only")
-    return codes.to(torch.int8), packed.meta
+    return codes, packed.meta
 
 
 def write_int8(model: nn.Module, layout: Layout, grids: dict[str, Tensor], path: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cpu24.quantize import LEVELS, ON_GRID
+from ..kernels.cpu24.quantize import grid_codes
 
 __all__ = ["quantize_initializers", "int8_problem"]
 
@@ -41,16 +41,14 @@ def quantize_initializers(proto, entries: dict[str, dict], grids: dict[str, torc
                              f"{scales.numel()} int8 scales, which do not go along axis {channel}")
         shape = [1, 1]
         shape[channel] = -1
-        steps = values / scales.float().reshape(shape)
-        codes = torch.round(steps)
-        off = ((steps - codes).abs() > ON_GRID) | (codes.abs() > LEVELS)
-        if bool(off.any()):
+        codes, off = grid_codes(values, scales.float().reshape(shape))
+        if off:
             raise ValueError(
-                f"export_onnx: {int(off.sum())} values of {entry['parameter']} are not on the int8 grid recorded for it "
+                f"export_onnx: {off} values of {entry['parameter']} are not on the int8 grid recorded for it "
                 "(the weight changed after it was solved or packed with bits=8); prune it again with bits=8, or "
                 "pack_weights(model, bits=8) and unpack_weights(model) to record a new grid")
         q_name, s_name = f"{name}_int8", f"{name}_scale"
-        graph.initializer.append(numpy_helper.from_array(codes.to(torch.int8).numpy(), q_name))
+        graph.initializer.append(numpy_helper.from_array(codes.numpy(), q_name))
         graph.initializer.append(numpy_helper.from_array(scales.float().numpy(), s_name))
         floating = init.data_type == TensorProto.FLOAT
         out = name if floating else f"{name}_float32"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["LEVELS", "row_scales", "round_rows", "quantize_layout", "quantize_dense", "dense_rows"]
+__all__ = ["LEVELS", "row_scales", "round_rows", "grid_codes", "quantize_layout", "quantize_dense", "dense_rows"]
 
 #: the largest int8 code used: the grid is -LEVELS..LEVELS
 LEVELS = 127
@@ -43,6 +43,15 @@ def round_rows(w: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(w / scales[:, None]).clamp_(-LEVELS, LEVELS).mul_(scales[:, None]), scales
 
 
+def grid_codes(values: Tensor, scales: Tensor) -> tuple[Tensor, int]:
+    """``(int8 codes, values off the grid)`` of ``values`` on the grid of ``scales`` (broadcast against them): a
+    value is off when it lies more than :data:`ON_GRID` steps from its grid point or past -127..127 steps."""
+    steps = values.float() / scales
+    codes = torch.round(steps)
+    off = ((steps - codes).abs() > ON_GRID) | (codes.abs() > LEVELS)
+    return codes.clamp_(-LEVELS, LEVELS).to(torch.int8), int(off.sum())
+
+
 def quantize_layout(values: Tensor, out_features: int, scales: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """``(codes, scales)`` of the kernel layout's ``values`` ``[groups, K/16, GROUP, 8]`` (any float dtype):
     int8 codes in the same layout (round to nearest, ties to even) and fp32 scales ``[out_features]``; the
@@ -56,11 +65,9 @@ def quantize_layout(values: Tensor, out_features: int, scales: Tensor | None = N
         scales = row_scales(rows)
     else:
         scales = torch.cat([scales.float(), scales.new_ones(groups * group - scales.shape[0], dtype=torch.float32)])
-    steps = rows.float() / scales[:, None]
-    codes = torch.round(steps)
-    if given and bool(((steps - codes).abs() > ON_GRID).any() or (codes.abs() > LEVELS).any()):
+    codes, off = grid_codes(rows, scales[:, None])
+    if given and off:
         return None
-    codes = codes.clamp_(-LEVELS, LEVELS).to(torch.int8)
     codes = codes.reshape(groups, group, words, eight).permute(0, 2, 1, 3).contiguous()
     return codes, scales[:out_features].contiguous()
 
