@@ -351,8 +351,7 @@ def file_role(name: str) -> str:
     if name == RECORD_FILE:
         return "ship: the layout record load_pretrained and check read"
     if name == INT8_FILE:
-        return ("ship: the int8 codes, positions and row scales (about 5 bits a weight) that load_pretrained(packed="
-                "True) reads for the 2:4 weights; a plain from_pretrained reads their dequantized values instead")
+        return "ship: the 2:4 weights' int8 codes, positions and row scales that load_pretrained(packed=True) reads"
     if name == "model.pt":
         return "ship: the whole model, its deploy records with it"
     if name.endswith((".safetensors", ".safetensors.index.json", ".bin")):

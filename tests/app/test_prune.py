@@ -98,7 +98,7 @@ def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch)
     int8 = recipe.endswith("bits=8")
     assert (out / "model_int8.safetensors").exists() == int8
     if int8:  # the codes beside the dequantized weights: shipped, recorded, checked
-        assert listed[str(out / "model_int8.safetensors")].split("MB  ")[1].startswith("ship: the int8 codes")
+        assert listed[str(out / "model_int8.safetensors")].split("MB  ")[1].startswith("ship: the 2:4 weights' int8 codes")
         assert all(w["bits"] == 8 for w in json.loads((out / "nmcompile.json").read_text())["weights"].values())
     if cpu24.status().available:
         held = nmcompile.deploy.load_pretrained(out, packed=True)
