@@ -1,8 +1,8 @@
 """DistributedDataParallel around a model compiled with the ``nmsparse`` backend (gloo, 2 CPU ranks), every recipe.
 
 DDP wraps the compiled model (``DDP(torch.compile(m))``: ``torch.compile(DDP(m))`` never calls a
-custom backend). Per recipe, on each rank: an uninterrupted run, and a run stopped halfway whose
-``state_dict``s (model and optimizer, as rank 0 saves them) go into a fresh model that continues.
+custom backend). Per recipe, on each rank: a run whose ``state_dict``s (model and optimizer, as rank 0 saves them) are
+saved halfway while it goes on uninterrupted, and a fresh model that loads them and continues.
 The checks are in ``_distributed.check``.
 """
 
@@ -41,16 +41,12 @@ def _worker(rank: int, out_dir: str) -> None:
         net = Net()
         initial = {k: v.detach().clone() for k, v in net.named_parameters()}
         model, opt = _setup(net, spec, rank)
-        losses = train(model, opt, range(STEPS), rank_loss(rank))
-        whole = snapshot(net)
-
-        torch.manual_seed(rank)
-        net = Net()
-        model, opt = _setup(net, spec, rank)
         first = train(model, opt, range(STOP), rank_loss(rank))
         saved = io.BytesIO()
         torch.save({"model": net.state_dict(), "optim": opt.state_dict(), "rng": torch.get_rng_state()}, saved)
         saved.seek(0)
+        losses = first + train(model, opt, range(STOP, STEPS), rank_loss(rank))  # the run goes on uninterrupted
+        whole = snapshot(net)
 
         torch.manual_seed(7)
         net = Net()

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``, gloo, 2 CPU ranks) with per-block ``compile(backend="nmsparse")``, every recipe.
 
-Per recipe, on each rank: an uninterrupted run, and a run stopped halfway, saved with
-``torch.distributed.checkpoint`` into a fresh sharded model and resumed. The checks are in
+Per recipe, on each rank: a run saved halfway with ``torch.distributed.checkpoint`` (and going on
+uninterrupted), and a fresh sharded model that loads the checkpoint and resumes. The checks are in
 ``_distributed.check``: ranks agree on effective weights and all recipe state, N:M, bit-exact
 resume, and the same training as one process on both ranks' batches.
 """
@@ -58,15 +58,12 @@ def _worker(rank: int, out_dir: str) -> None:
         torch._dynamo.reset()
         torch.manual_seed(0)
         net, opt = _setup(Net(), spec, rank)
-        losses = train(net, opt, range(STEPS), rank_loss(rank))
-        whole = snapshot(net)
-
-        torch.manual_seed(0)
-        net, opt = _setup(Net(), spec, rank)
         first = train(net, opt, range(STOP), rank_loss(rank))
         rng = torch.get_rng_state()  # MVUE draws from torch's generator: a checkpoint saves it
         model_sd, optim_sd = get_state_dict(net, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{out_dir}/{name}")
+        losses = first + train(net, opt, range(STOP, STEPS), rank_loss(rank))  # the run goes on uninterrupted
+        whole = snapshot(net)
 
         torch.manual_seed(7)  # other initial weights: the checkpoint must bring everything back
         net, opt = _setup(Net(), spec, rank)
