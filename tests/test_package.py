@@ -29,6 +29,29 @@ def test_import_is_lean():
     assert result.stdout.strip() == "[]", result.stderr[-2000:]
 
 
+def test_a_serving_process_does_not_import_dynamo():
+    # importing Dynamo costs about 2.5 s of CPU: a process that loads packed weights and decodes eagerly
+    # never needs it; the STEP kernels compile at their first call and the region's marker is set directly
+    code = ("import sys, nmcompile, nmcompile.deploy, nmcompile.checkpoint, nmcompile.recipes; "
+            "nmcompile.recipe('step:2:4,total_steps=10'); print('torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "False", result.stderr[-2000:]
+
+
+def test_the_regions_constant_marker_is_the_one_torch_compiler_sets():
+    import importlib
+
+    import torch
+
+    region = importlib.import_module("nmcompile.declare.region")
+
+    def probe(x):
+        return x
+
+    marked = {k: v for k, v in vars(torch.compiler.assume_constant_result(probe)).items()}
+    assert marked and all(getattr(region._canonical, k, None) == v for k, v in marked.items()), marked
+
+
 def _reference_api_names() -> list[str]:
     text = REFERENCE.read_text()
     table = text[text.index("\n## API\n"):text.index("\n## Layout\n")]

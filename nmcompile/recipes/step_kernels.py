@@ -11,6 +11,7 @@ non-contiguous tensors and are what the tests compare the compiled ones against.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -53,16 +54,21 @@ def _frozen_update(p, g, exp_avg, exp_avg_sq, frozen, lr, beta1, beta2, bias1, b
     p.copy_(p.float() - (lr / bias1) * m / denom)
 
 
-_compiled_change_sum = torch.compile(_change_sum, dynamic=True, fullgraph=True)
-_compiled_frozen_update = torch.compile(_frozen_update, dynamic=True, fullgraph=True)
+@functools.cache
+def _compiled(fn):
+    """``fn`` compiled, made at its first call: importing nmcompile does not import Dynamo (about
+    2.5 s of a process's start-up on a 2-core CPU, paid by serving processes that never compile)."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
 _unavailable: list[str] = []  # why Inductor could not compile the kernels here (then: eager from now on)
 
 
-def _run_fused(compiled, eager, *args):
+def _run_fused(fn, eager, *args):
     if _unavailable:
         return eager(*args)
     try:
-        return compiled(*args)
+        return _compiled(fn)(*args)
     except torch._dynamo.exc.BackendCompilerFailed as err:  # e.g. no C++ compiler, or no Triton for this GPU
         _unavailable.append(str(err).splitlines()[0])
         warnings.warn(f"nmcompile: STEP's optimizer kernels could not be compiled ({_unavailable[0]}); "
@@ -90,7 +96,7 @@ def change_sum(v, g, z_option: int, floor: float):
     flat = None if v is None else _flat(v, g)
     if flat is None:
         return change_sum_eager(v, g, z_option, floor)
-    return _run_fused(_compiled_change_sum, change_sum_eager, *flat, z_option, float(floor))
+    return _run_fused(_change_sum, change_sum_eager, *flat, z_option, float(floor))
 
 
 def frozen_update(p, g, exp_avg, exp_avg_sq, frozen, *, lr, beta1, beta2, bias1, bias2, eps) -> None:
@@ -100,6 +106,6 @@ def frozen_update(p, g, exp_avg, exp_avg_sq, frozen, *, lr, beta1, beta2, bias1,
     if flat is None:
         frozen_update_eager(p, g, exp_avg, exp_avg_sq, frozen, *scalars)
         return
-    _run_fused(_compiled_frozen_update, frozen_update_eager, *flat, *scalars)
+    _run_fused(_frozen_update, frozen_update_eager, *flat, *scalars)
     for t in (p, exp_avg, exp_avg_sq):  # written through the aliases: record it as in-place ops would
         torch.autograd.graph.increment_version(t)

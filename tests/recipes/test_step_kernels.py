@@ -63,7 +63,7 @@ def test_without_a_working_compiler_the_kernels_run_eagerly(monkeypatch):
     def broken(*args):
         raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
 
-    monkeypatch.setattr(K, "_compiled_change_sum", broken)
+    monkeypatch.setattr(K, "_compiled", lambda fn: broken)
     monkeypatch.setattr(K, "_unavailable", [])
     v, g = tensors((16, 8))
     with pytest.warns(RuntimeWarning, match="could not be compiled"):
