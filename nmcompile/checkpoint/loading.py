@@ -154,7 +154,8 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
             takes every token count.
         head: for a directory whose 2:4 weights hold int8 values (``"bits": 8`` in its record), loaded
             ``packed``: the output head held as dense int8 rows, as ``pack_weights(model, bits=8, head=...)``
-            holds it (``"auto"``: ``get_output_embeddings()``; a module name; None keeps it as stored).
+            holds it (``"auto"``: ``get_output_embeddings()``; a module name; None keeps it as stored). A
+            module name for any other directory, or with ``packed=False``, is refused (ValueError).
 
     A directory with int8 values (a ``bits=8`` one-shot solve, or a model unpacked from int8) loads
     ``packed`` straight from its int8 file (codes, positions, scales); dense, each such weight is its
@@ -174,6 +175,13 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
                          + (f"; {pickled} is a whole pickled model, whose deploy records travel with it: "
                             "torch.load(path, weights_only=False), for files you trust" if os.path.isfile(pickled) else ""))
     layout, _ = layout_from(path)
+    int8 = any(w.bits == 8 for w in layout.weights.values())
+    if head not in ("auto", None) and not (packed and int8):
+        raise ValueError(f"load_pretrained: head={head!r} holds the output head as int8 rows, which applies only to a "
+                         f"directory whose 2:4 weights hold int8 values, loaded packed=True; "
+                         f"{path} is loaded {'packed' if packed else 'dense'} and its weights hold "
+                         f"{'int8' if int8 else 'float'} values. Drop head=, or after loading call "
+                         "nmcompile.deploy.pack_weights(model, bits=8, head=...)")
     transformers = _transformers()
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     cls = _model_class(config, model_class)
@@ -195,7 +203,7 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     model = _build_on_meta(cls, config, dtype_built)
     _compute_buffers(model, sources)
     _stream(model, layout, sources, dtype, measure, path)
-    found = _head_of(model, head) if any(w.bits == 8 for w in layout.weights.values()) else None
+    found = _head_of(model, head) if int8 else None
     if found is not None:
         _pack_head(model, *found)
     generation = os.path.join(path, "generation_config.json")

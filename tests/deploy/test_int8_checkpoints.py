@@ -152,3 +152,16 @@ def test_a_weight_moved_off_its_grid_is_refused_by_name(tmp_path):
 
 def _fail():
     raise AssertionError("a 2:4 weight with int8 values was read from the dense files")
+
+
+def test_a_head_named_where_it_cannot_apply_is_refused_not_ignored(saved, tmp_path):
+    kind, directory, _, _ = saved
+    head = "lm_head"
+    with pytest.raises(ValueError, match=r"head='lm_head'.*loaded dense and its weights hold int8 values"):
+        load_pretrained(directory, head=head)  # dense: the head stays as stored
+    float_model = tiny_llama(transformers)
+    magnitude_2_4(float_model)
+    save_pretrained(float_model, tmp_path / "float")
+    with pytest.raises(ValueError, match=r"loaded packed and its weights hold float values.*pack_weights"):
+        load_pretrained(tmp_path / "float", packed=True, head=head)
+    load_pretrained(tmp_path / "float", packed=True, measure=False)  # the default ("auto") applies where it can
