@@ -342,37 +342,37 @@ def _dtype_of(model) -> torch.dtype:
 
 
 def file_role(name: str) -> str:
-    """What a file of a pruned folder is for, and whether a CPU or GPU server needs it."""
-    if name == RECORD:
-        return "this run's record (source, recipe, losses, files): not needed to serve"
-    if name == PACKED_FILE:
-        return ("every 2:4 weight packed, for nmcompile.deploy.load_packed into a model of your own and for "
-                "check; load_pretrained does not read it: not needed to serve")
-    if name == RECORD_FILE:
-        return "ship: the layout record load_pretrained and check read"
-    if name == INT8_FILE:
-        return "ship: the 2:4 weights' int8 codes, positions and row scales that load_pretrained(packed=True) reads"
-    if name == "model.pt":
-        return "ship: the whole model, its deploy records with it"
-    if name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
-        return ("ship: the weights load_pretrained reads (the pruned values, zeros stored; packed=True packs them "
-                "while loading)")
-    return "ship: the model's configuration or tokenizer"
+    """What a file of a pruned folder is for: "ship" (any server), "ship for CPU serving", "ship for dense loads..."."""
+    roles = {
+        RECORD: "this run's record (source, recipe, losses, files): not needed to serve",
+        PACKED_FILE: "ship for CPU serving: every weight, the 2:4 ones packed; load_pretrained(packed=True) reads it "
+                     "where no safetensors file is beside it",
+        RECORD_FILE: "ship: the layout record load_pretrained and check read",
+        INT8_FILE: "ship for CPU serving: the 2:4 weights' int8 codes, positions and row scales that "
+                   "load_pretrained(packed=True) reads",
+        "model.pt": "ship: the whole model, its deploy records with it",
+    }
+    if name.endswith((".safetensors", ".safetensors.index.json", ".bin")) and name != INT8_FILE:
+        return ("ship for dense loads, GPUs and other runtimes: the pruned weights dense (zeros stored, the dense "
+                "model's bytes); load_pretrained(packed=True) packs them while loading where they are present")
+    return roles.get(name, "ship: the model's configuration or tokenizer")
 
 
 def _file_lines(s: PruneSummary) -> list[str]:
-    """Every file written, its size and role, then the bytes to ship against all of them."""
+    """Every file written, its size and role, then the bytes to ship for each kind of server."""
     sizes = {path: os.path.getsize(path) if os.path.isfile(path) else 0 for path in s.files}
     record = os.path.join(s.out, RECORD) if s.out else None
     if record and os.path.isfile(record) and record not in sizes:
         sizes[record] = os.path.getsize(record)
     width = max((len(path) for path in sizes), default=0)
-    lines = [f"  wrote {path.ljust(width)}  {size / 2**20:9.1f} MB  {file_role(os.path.basename(path))}"
-             for path, size in sizes.items()]
-    shipped = sum(size for path, size in sizes.items() if file_role(os.path.basename(path)).startswith("ship"))
-    lines.append(f"  to serve (load_pretrained, CPU or GPU): {shipped / 2**20:.1f} MB of the {sum(sizes.values()) / 2**20:.1f} "
-                 "MB written; the weights file holds the pruned weights dense (zeros stored), the same bytes as the "
-                 "dense model's")
+    roles = {path: file_role(os.path.basename(path)) for path in sizes}
+    lines = [f"  wrote {path.ljust(width)}  {size / 2**20:9.1f} MB  {roles[path]}" for path, size in sizes.items()]
+    common, cpu, dense = (sum(sizes[p] for p, role in roles.items() if role.startswith(kind))
+                          for kind in ("ship:", "ship for CPU", "ship for dense"))
+    cpu += dense if PACKED_FILE not in map(os.path.basename, sizes) else 0  # no packed file: a packed load reads them
+    lines.append(f"  to serve on a CPU (load_pretrained(packed=True)): {(common + cpu) / 2**20:.1f} MB" + (
+        f", {(common + cpu) / (common + dense):.2f}x of the {(common + dense) / 2**20:.1f} MB that dense loads, GPUs "
+        "and other runtimes need" if dense else "") + f"; {sum(sizes.values()) / 2**20:.1f} MB written")
     return lines
 
 

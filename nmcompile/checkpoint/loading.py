@@ -20,7 +20,6 @@ import warnings
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from .. import masks
 from ..kernels import cpu24
@@ -34,53 +33,10 @@ from .layout import Layout
 from .int8_weights import Int8File, record_grids
 from .packed_weights import INT8_REASON, RangeRule, _head_of, _pack_head, is_trainable, set_packed
 from .restore import layout_from, restore
-from .streaming import chunk_budget, packable, read_dense, read_packed
+from .streaming import PackedStateFile, build_on_meta, chunk_budget, packable, read_dense, read_packed
 from .weight_files import tensor_sources, weight_files
 
 __all__ = ["load_pretrained"]
-
-
-#: torch's constructors whose floating results take the default dtype when given none
-_CONSTRUCTORS = frozenset({torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.rand,
-                           torch.randn, torch.arange, torch.linspace, torch.logspace, torch.eye, torch.scalar_tensor,
-                           torch.tensor})
-
-
-class _DefaultDtype(TorchFunctionMode):
-    """``torch.set_default_dtype(dtype)`` for the thread that enters it only: a floating tensor that one of
-    torch's constructors makes in the default dtype, given no dtype, is made in ``dtype``.
-
-    The default dtype is process-wide: setting it while a model is built (as transformers' ``from_config(
-    dtype=...)`` does) gives a model that another thread builds meanwhile that dtype, and two loads that
-    overlap can leave the process with the other's. A function mode, as ``torch.device`` is, lives on this
-    thread's mode stack only."""
-
-    def __init__(self, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func in _CONSTRUCTORS and kwargs.get("dtype") is None and isinstance(out, torch.Tensor) \
-                and out.dtype == torch.get_default_dtype() != self.dtype \
-                and not (func is torch.tensor and args and hasattr(args[0], "dtype")):  # a tensor's or array's own
-            out = out.to(self.dtype)
-        return out
-
-
-def _build_on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
-    """``cls`` built from ``config`` in ``dtype``, every tensor on the meta device (nothing is allocated or
-    initialized), by contexts that only this thread sees: ``torch.device("meta")`` and :class:`_DefaultDtype`.
-    Nothing process-wide changes, so other threads may build models or load meanwhile (an earlier version
-    replaced ``nn.Module.register_parameter`` for the duration, and another thread's models got meta weights)."""
-    build = getattr(cls, "_from_config", None) or cls.from_config  # the Auto classes: from_config
-    with torch.device("meta"), _DefaultDtype(dtype):
-        model = build(config, dtype=None)  # dtype=None: transformers would set the process's default dtype
-    for sub in (config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", None) or ())):
-        if sub is not None:  # what from_config(dtype=...) records
-            sub.dtype = dtype
-    return model
 
 
 def _compute_buffers(model: nn.Module, sources: dict) -> None:
@@ -186,6 +142,10 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     cls = _model_class(config, model_class)
     if not packed:
+        if not weight_files(path, required=False) and _packed_file(path, layout):
+            raise ValueError(f"load_pretrained: {path} holds its weights only in {_packed_file(path, layout)} (2:4 "
+                             "weights packed): load it with packed=True (the 2:4 CPU kernel), or ship "
+                             "model.safetensors beside it for a dense load")
         model = cls.from_pretrained(path, local_files_only=True, dtype=dtype or "auto")
         restore(model, layout)
         record_grids(model, layout, path)
@@ -194,13 +154,13 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     if not state.available:
         raise RuntimeError(f"load_pretrained(packed=True) needs the 2:4 CPU kernel, which is not available here: "
                            f"{state.reason}; load with packed=False")
-    sources = tensor_sources(weight_files(path))
+    sources = _sources(path, layout)
     if dtype is None:  # build in the stored dtype, as from_pretrained(dtype="auto") does
         stored = [s.dtype(k) for k, s in sources.items() if s.dtype(k).is_floating_point]
         dtype_built = max(set(stored), key=stored.count) if stored else torch.get_default_dtype()
     else:
         dtype_built = dtype
-    model = _build_on_meta(cls, config, dtype_built)
+    model = build_on_meta(cls, config, dtype_built)
     _compute_buffers(model, sources)
     _stream(model, layout, sources, dtype, measure, path)
     found = _head_of(model, head) if int8 else None
@@ -210,6 +170,23 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
     return model.eval()
+
+
+def _packed_file(path: str, layout: Layout) -> str | None:
+    name = (layout.packed or {}).get("file")
+    return os.path.join(path, name) if name and os.path.isfile(os.path.join(path, name)) else None
+
+
+def _sources(path: str, layout: Layout) -> dict:
+    """``{tensor name: source}``: the safetensors files, else the packed state dict the record names."""
+    files = weight_files(path, required=False)
+    if files:
+        return tensor_sources(files)
+    packed_file = _packed_file(path, layout)
+    if packed_file is None:
+        weight_files(path)  # raises, naming what a directory must hold
+    source = PackedStateFile(packed_file)
+    return {key: source for key in source.keys()}
 
 
 def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype | None, measure: bool,
@@ -263,9 +240,12 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             for _, module, pname in places:
                 records.put(module, records.INT8, pname, weight.scales)
         elif why is None:
-            weight, bad, total = read_packed(source, key, dtype, entry.dim in (0, -2), budget)
-            if bad:
-                _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} keep more than 2 of 4")
+            weight = source.packed(key, dtype) if isinstance(source, PackedStateFile) else None
+            if weight is None:
+                weight, bad, total = read_packed(source, key, dtype, entry.dim in (0, -2), budget)
+                if bad:
+                    _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} keep more "
+                                  "than 2 of 4")
             _hold_packed(weight, places, measure, "packed only, loaded")
         else:
             tensor = read_dense(source, key, dtype, budget)

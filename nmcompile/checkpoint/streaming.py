@@ -7,18 +7,28 @@ along rows (in groups of :data:`~nmcompile.kernels.cpu24.GROUP`) and along the r
 16), so a ``Linear`` weight ``[out, in]`` is read by rows and a GPT-2 ``Conv1D`` weight ``[in, out]`` (2:4
 along dim 0, held as its transpose) by runs of ``in``. :func:`read_dense` reads the other tensors, cast
 chunk by chunk where a dtype is asked for.
+
+:class:`PackedStateFile` is the other source a directory can hold: the packed state dict ``save_pretrained``
+writes (``model_packed.pt``, 2:4 weights as :func:`nmcompile.pack`'s values and positions), read through the
+same calls (dense shapes and reads) and, for its packed entries, straight into the CPU layout.
+:func:`build_on_meta` builds the model the stream fills, nothing allocated.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..kernels import cpu24
+from ..kernels.format24 import META_SUFFIX, Packed24, lost_metadata, packed_dims, unpack
 from ..state import memory
 from ..kernels.cpu24.weight import PackedLinearWeight
 from .weight_files import SafetensorsFile
 
-__all__ = ["read_packed", "read_dense", "chunk_budget", "packable"]
+__all__ = ["read_packed", "read_dense", "chunk_budget", "packable", "PackedStateFile", "build_on_meta"]
 
 #: elements per chunk at most (1 MiB of bf16 rows: the temporaries of one chunk stay a few MiB)
 MAX_CHUNK = 1 << 19
@@ -93,3 +103,101 @@ def read_packed(source: SafetensorsFile, key: str, dtype: torch.dtype | None, tr
     memory.trim_heap()  # the chunks' temporaries were freed between long-lived packed weights
     weight = PackedLinearWeight(values, bits, (out_f, in_f), -1, cpu24.best_isa(dtype) or "", transposed)
     return weight, bad, out_f * in_f // 4
+
+
+
+#: torch's constructors whose floating results take the default dtype when given none
+_CONSTRUCTORS = frozenset({torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.rand,
+                           torch.randn, torch.arange, torch.linspace, torch.logspace, torch.eye, torch.scalar_tensor,
+                           torch.tensor})
+
+
+class _DefaultDtype(TorchFunctionMode):
+    """``torch.set_default_dtype(dtype)`` for the thread that enters it only: a floating tensor that one of
+    torch's constructors makes in the default dtype, given no dtype, is made in ``dtype``.
+
+    The default dtype is process-wide: setting it while a model is built (as transformers' ``from_config(
+    dtype=...)`` does) gives a model that another thread builds meanwhile that dtype, and two loads that
+    overlap can leave the process with the other's. A function mode, as ``torch.device`` is, lives on this
+    thread's mode stack only."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _CONSTRUCTORS and kwargs.get("dtype") is None and isinstance(out, torch.Tensor) \
+                and out.dtype == torch.get_default_dtype() != self.dtype \
+                and not (func is torch.tensor and args and hasattr(args[0], "dtype")):  # a tensor's or array's own
+            out = out.to(self.dtype)
+        return out
+
+
+def build_on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
+    """``cls`` built from ``config`` in ``dtype``, every tensor on the meta device (nothing is allocated or
+    initialized), by contexts that only this thread sees: ``torch.device("meta")`` and :class:`_DefaultDtype`.
+    Nothing process-wide changes, so other threads may build models or load meanwhile (an earlier version
+    replaced ``nn.Module.register_parameter`` for the duration, and another thread's models got meta weights)."""
+    build = getattr(cls, "_from_config", None) or cls.from_config  # the Auto classes: from_config
+    with torch.device("meta"), _DefaultDtype(dtype):
+        model = build(config, dtype=None)  # dtype=None: transformers would set the process's default dtype
+    for sub in (config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", None) or ())):
+        if sub is not None:  # what from_config(dtype=...) records
+            sub.dtype = dtype
+    return model
+
+
+class PackedStateFile:
+    """A packed state dict file (``model_packed.pt``) as a source of the stream: ``keys``, ``shape``, ``dtype`` and
+    ``read`` as :class:`~nmcompile.checkpoint.weight_files.SafetensorsFile` gives them (the dense tensor's; a packed
+    entry is unpacked where it is read), and :meth:`packed` for the entries stored packed. Memory-mapped: a
+    tensor's bytes are read when it is used."""
+
+    def __init__(self, path) -> None:
+        self.path = os.fspath(path)
+        try:
+            self.state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:  # a torch.load of a damaged or foreign file raises many kinds
+            raise ValueError(f"{self.path}: not a packed state dict ({type(err).__name__}: {str(err)[:200]}); write "
+                             "the directory again with nmcompile.deploy.save_pretrained") from None
+        lost = lost_metadata(self.state) if hasattr(self.state, "keys") else ["(not a state dict)"]
+        if lost:
+            raise ValueError(f"{self.path}: the packed state dict is damaged: {', '.join(lost[:3])} lost its "
+                             f"{META_SUFFIX} entry; write the directory again with nmcompile.deploy.save_pretrained")
+        self.dims = packed_dims(self.state)
+
+    def keys(self) -> list[str]:
+        return [key for key in self.state if not key.endswith(META_SUFFIX)]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        values, meta = self.state[name], self.state.get(name + META_SUFFIX)
+        if meta is None:
+            return tuple(values.shape)
+        shape = (*values.shape[:-1], values.shape[-1] * 2)
+        return shape[::-1] if self.dims.get(name) == 0 else shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.state[name].dtype
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Dense tensor ``name`` (or its leading-dim slice ``rows``), as a new CPU tensor."""
+        values, meta = self.state[name], self.state.get(name + META_SUFFIX)
+        first, stop = rows if rows is not None else (0, self.shape(name)[0])
+        if meta is None:
+            return values[first:stop].clone()
+        if self.dims.get(name) == 0:  # held as its transpose: rows of the file's layout are columns here
+            return unpack(Packed24(values, meta), check=False).t()[first:stop].contiguous()
+        return unpack(Packed24(values[first:stop], meta[first:stop]), check=False)
+
+    def packed(self, name: str, dtype: torch.dtype | None) -> PackedLinearWeight | None:
+        """Entry ``name`` in the CPU kernel's layout (in ``dtype``; None: as stored), or None where it is stored
+        dense. A packed entry keeps at most 2 of every 4 by construction: nothing to count."""
+        meta = self.state.get(name + META_SUFFIX)
+        if meta is None:
+            return None
+        values = self.state[name].to(dtype or self.state[name].dtype)
+        v, b = cpu24.cpu_layout(values, meta)
+        shape = (values.shape[0], values.shape[1] * 2)
+        return PackedLinearWeight(v, b, shape, -1, cpu24.best_isa(values.dtype) or "", self.dims.get(name) == 0)

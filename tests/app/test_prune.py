@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from contextlib import nullcontext
 
 import pytest
@@ -59,10 +60,14 @@ def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch)
     # every file listed with its size and whether a server needs it, this run's record too
     listed = {line.split()[1]: line for line in text.out.splitlines() if line.startswith("  wrote ")}
     assert set(listed) == {str(p) for p in out.iterdir()}, (listed, list(out.iterdir()))
-    assert "not needed to serve" in listed[str(out / "model_packed.pt")] and " MB " in listed[str(out / "config.json")]
+    assert "ship for CPU serving" in listed[str(out / "model_packed.pt")] and " MB " in listed[str(out / "config.json")]
     assert "not needed to serve" in listed[str(out / "nmcompile-prune.json")]
-    assert listed[str(out / "model.safetensors")].split("MB  ")[1].startswith("ship")
-    assert "to serve (load_pretrained, CPU or GPU): " in text.out
+    assert listed[str(out / "model.safetensors")].split("MB  ")[1].startswith("ship for dense loads, GPUs")
+    cpu_mb, ratio, dense_mb = text.out.split("to serve on a CPU (load_pretrained(packed=True)): ")[1].split()[0:5:2]
+    shipped = ("config.json", "nmcompile.json", "model_packed.pt", "generation_config.json")
+    assert float(cpu_mb) == pytest.approx(sum(os.path.getsize(out / n) for n in shipped if (out / n).exists()) / 2**20,
+                                          abs=0.06)
+    assert float(ratio.rstrip("x,")) < 1  # the packed file is smaller than the dense one
     before, after = (float(v) for v in text.out.split("held-out loss")[1].split("dense ")[1].split(" (ppl")[0:1] +
                      text.out.split("-> pruned ")[1].split(" (ppl")[0:1])
     assert before > 0 and after > 0
@@ -98,7 +103,7 @@ def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch)
     int8 = recipe.endswith("bits=8")
     assert (out / "model_int8.safetensors").exists() == int8
     if int8:  # the codes beside the dequantized weights: shipped, recorded, checked
-        assert listed[str(out / "model_int8.safetensors")].split("MB  ")[1].startswith("ship: the 2:4 weights' int8 codes")
+        assert listed[str(out / "model_int8.safetensors")].split("MB  ")[1].startswith("ship for CPU serving: the 2:4 weights' int8 codes")
         assert all(w["bits"] == 8 for w in json.loads((out / "nmcompile.json").read_text())["weights"].values())
     if cpu24.status().available:
         held = nmcompile.deploy.load_pretrained(out, packed=True)
@@ -418,7 +423,7 @@ def test_prune_shows_each_phase(tmp_path, capsys, monkeypatch, form, bars):
 def test_each_file_of_a_pruned_folder_says_whether_a_server_needs_it():
     from nmcompile.app.prune import file_role
 
-    assert file_role("model_packed.pt").endswith("not needed to serve")
+    assert file_role("model_packed.pt").startswith("ship for CPU serving")
     assert file_role("nmcompile-prune.json").endswith("not needed to serve")
     for name in ("nmcompile.json", "model.safetensors", "model-00001-of-00002.safetensors", "config.json",
                  "tokenizer.json", "model.pt", "model.safetensors.index.json"):

@@ -296,3 +296,41 @@ def test_a_loaded_packed_model_converted_to_bf16_has_the_ranges_of_one_loaded_in
             ids = torch.randint(0, 256, (2, tokens // 2))
             # (model.to converts the rotary frequencies to bf16 too; the load keeps them in fp32)
             torch.testing.assert_close(model(ids).logits, direct(ids).logits, rtol=2e-2, atol=2e-2)
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_folder_holding_only_the_packed_file_loads_packed_as_the_whole_folder_does(tmp_path, kind, monkeypatch):
+    import shutil
+
+    from nmcompile.checkpoint import streaming
+
+    _, _, path = saved(tmp_path, kind)
+    shipped = tmp_path / "cpu-only"
+    shipped.mkdir()
+    for name in ("config.json", "generation_config.json", "nmcompile.json", "model_packed.pt"):
+        if (path / name).exists():
+            shutil.copy(path / name, shipped / name)
+    assert not list(shipped.glob("*.safetensors*"))
+    ids = torch.randint(0, 256, (2, 12))
+    for dtype in (None, torch.bfloat16):
+        whole = load_pretrained(path, packed=True, measure=False, dtype=dtype)
+        with monkeypatch.context() as patch:  # the packed entries go straight into the kernel's layout
+            patch.setattr(streaming, "unpack", lambda *a, **k: pytest.fail("a packed entry was unpacked"))
+            only = load_pretrained(shipped, packed=True, measure=False, dtype=dtype)
+        held = {n: p for n, p in only.named_parameters() if isinstance(p, PackedLinearWeight)}
+        assert held.keys() == {n for n, p in whole.named_parameters() if isinstance(p, PackedLinearWeight)} != set()
+        for name, p in whole.state_dict().items():
+            q = only.state_dict()[name]
+            assert q.dtype == p.dtype and torch.equal(q.dense() if isinstance(q, PackedLinearWeight) else q,
+                                                      p.dense() if isinstance(p, PackedLinearWeight) else p), name
+        with torch.no_grad():
+            assert torch.equal(only(ids).logits, whole(ids).logits)
+        assert nmcompile.check(only).ok
+        head, embed = only.get_output_embeddings().weight, only.get_input_embeddings().weight
+        assert (head is embed) == (kind == "gpt2")  # a tied head stays tied
+    with pytest.raises(ValueError, match=r"only in .*model_packed.pt .*packed=True"):
+        load_pretrained(shipped)
+    (shipped / "model_packed.pt").unlink()
+    with pytest.raises(ValueError, match="holds no model.safetensors"):
+        load_pretrained(shipped, packed=True)
