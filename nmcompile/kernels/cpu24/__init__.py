@@ -169,17 +169,27 @@ def best_isa(dtype: torch.dtype) -> str | None:
 GROUP = 8  # rows per group of the CPU layout (NM24_GROUP in nmcompile/kernels/cpu24/cpu24_args.h)
 
 
-def _word_bits(meta: Tensor) -> Tensor:
-    """Each 16-bit metadata word (four nibbles ``i0 | i1 << 2``) as the 16 position bits it encodes."""
-    words = meta.to(torch.int32) & 0xFFFF
-    shifts = torch.arange(4, dtype=torch.int32, device=meta.device) * 4
+@functools.lru_cache(maxsize=None)
+def _bits_table() -> tuple[Tensor, Tensor]:
+    """For every 16-bit metadata word: the position bits it encodes (int16), and whether each of its four groups
+    holds two positions i0 < i1 (what :func:`nmcompile.pack` writes)."""
+    words = torch.arange(1 << 16, dtype=torch.int32)
+    shifts = torch.arange(4, dtype=torch.int32) * 4
     nibbles = (words[..., None] >> shifts) & 0xF
     first, second = nibbles & 3, nibbles >> 2
-    if not bool((first < second).all()):
+    bits = (((1 << first) | (1 << second)) << shifts).sum(-1)
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16), (first < second).all(-1)
+
+
+def _word_bits(meta: Tensor) -> Tensor:
+    """Each 16-bit metadata word (four nibbles ``i0 | i1 << 2``) as the 16 position bits it encodes (one lookup
+    a word: a 1B model's packed file loads in a second, not four)."""
+    table, valid = (t.to(meta.device) for t in _bits_table())
+    index = meta.to(torch.int32).bitwise_and_(0xFFFF).long()
+    if not bool(valid[index].all()):
         raise ValueError("cpu_layout: the metadata has groups whose two positions are not i0 < i1; pass what "
                          "nmcompile.pack returned")
-    bits = (((1 << first) | (1 << second)) << shifts).sum(-1)
-    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16)
+    return table[index]
 
 
 def _word_meta(bits: Tensor) -> Tensor:
