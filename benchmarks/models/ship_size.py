@@ -7,7 +7,8 @@ the CPU-serving set (configuration and tokenizer files, ``nmcompile.json``, ``mo
 folder of its own, and reports the bytes of each set against the dense folder's. Then, in fresh processes,
 alternating, ``load_pretrained(DIR, packed=True, measure=False)`` of the whole folder and of the CPU-only one
 (and, with ``--dense DIR``, ``from_pretrained`` of the dense model): seconds from the process's first line to
-the loaded model and to the first token's logits (eager), which must be equal for the two 2:4 folders.
+the loaded model and to the first token's logits (eager), which must be equal for the two 2:4 folders,
+and the load's peak resident memory over the process's baseline (imports and the kernel's library loaded).
 
     python benchmarks/models/ship_size.py /work/models/llama-1b-24 --dense /work/models/llama-1b --rounds 2
 """
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU_SET = ("config.json", "generation_config.json", "nmcompile.json", "model_packed.pt", "tokenizer.json",
            "tokenizer_config.json", "special_tokens_map.json")
 
@@ -29,16 +31,22 @@ LOAD = """
 import sys, time, torch
 start = time.perf_counter()
 torch.set_num_threads(int(sys.argv[2]))
+import transformers
+from nmcompile.kernels import cpu24
+from benchmarks.toolbox import peak_mb, reset_peak, resident_mb
+if sys.argv[3] != "dense":
+    from nmcompile.deploy import load_pretrained
+    cpu24.status()  # the kernel's library: part of the baseline, as the imports are
+reset_peak()  # the peak counts from here
+baseline = resident_mb()
 if sys.argv[3] == "dense":
-    import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], local_files_only=True, dtype="auto")
 else:
-    from nmcompile.deploy import load_pretrained
     model = load_pretrained(sys.argv[1], packed=True, measure=False)
-loaded = time.perf_counter() - start
+loaded, peak = time.perf_counter() - start, peak_mb() - baseline
 with torch.no_grad():
     logits = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])).logits[0, -1]
-print(loaded, time.perf_counter() - start, float(logits.double().sum()), int(logits.argmax()))
+print(loaded, time.perf_counter() - start, float(logits.double().sum()), int(logits.argmax()), peak)
 """
 
 
@@ -83,12 +91,12 @@ def main() -> None:
         runs = [("whole", whole), ("cpu-only", cpu)] + ([("dense", args.dense)] if args.dense else [])
         for label, folder in runs:
             done = subprocess.run([sys.executable, "-c", LOAD, folder, str(args.threads), label], capture_output=True,
-                                  text=True, check=True)
-            loaded, first, total, top = done.stdout.split()
+                                  text=True, check=True, cwd=ROOT)
+            loaded, first, total, top, peak = done.stdout.split()
             rows.append({"round": round_, "folder": label, "load_s": float(loaded), "first_token_s": float(first),
-                         "logit_sum": float(total), "top": int(top)})
+                         "logit_sum": float(total), "top": int(top), "load_peak_MiB": float(peak)})
             print(f"round {round_} {label:8s} load {float(loaded):6.1f} s  first token {float(first):6.1f} s  "
-                  f"logits sum {float(total):.6f}  top {top}", flush=True)
+                  f"load peak {float(peak):7.0f} MiB  logits sum {float(total):.6f}  top {top}", flush=True)
     same = len({(r["logit_sum"], r["top"]) for r in rows if r["folder"] != "dense"}) == 1
     print(f"same first-token logits from both folders: {same}; save took {saved_s:.0f} s")
     if args.json:

@@ -345,8 +345,8 @@ def file_role(name: str) -> str:
     """What a file of a pruned folder is for: "ship" (any server), "ship for CPU serving", "ship for dense loads..."."""
     roles = {
         RECORD: "this run's record (source, recipe, losses, files): not needed to serve",
-        PACKED_FILE: "ship for CPU serving: every weight, the 2:4 ones packed; load_pretrained(packed=True) reads it "
-                     "where no safetensors file is beside it",
+        PACKED_FILE: "ship for CPU serving: every weight, the 2:4 ones packed; what load_pretrained(packed=True) "
+                     "reads (the safetensors files are not needed for it)",
         RECORD_FILE: "ship: the layout record load_pretrained and check read",
         INT8_FILE: "ship for CPU serving: the 2:4 weights' int8 codes, positions and row scales that "
                    "load_pretrained(packed=True) reads",
@@ -354,7 +354,7 @@ def file_role(name: str) -> str:
     }
     if name.endswith((".safetensors", ".safetensors.index.json", ".bin")) and name != INT8_FILE:
         return ("ship for dense loads, GPUs and other runtimes: the pruned weights dense (zeros stored, the dense "
-                "model's bytes); load_pretrained(packed=True) packs them while loading where they are present")
+                "model's bytes); load_pretrained(packed=True) packs them while loading where no packed file is there")
     return roles.get(name, "ship: the model's configuration or tokenizer")
 
 

@@ -4,7 +4,8 @@
 ``nmcompile prune`` (no network). Dense, it is ``from_pretrained`` plus :func:`nmcompile.deploy.restore`.
 Packed (``packed=True``), the model is built on the meta device (by contexts that only the loading thread
 sees: loads and model builds in other threads are unaffected), the buffers computed from the config are made
-by the model's own initialization, and each weight is read from the safetensors files a run of rows at a time (:mod:`nmcompile.checkpoint.streaming`): the N:M ones
+by the model's own initialization, and each weight is read from ``model_packed.pt`` where the folder holds it (its
+2:4 entries need no packing), else from the safetensors files a run of rows at a time (:mod:`nmcompile.checkpoint.streaming`): the N:M ones
 straight into packed 2:4 CPU weights (checked on the way in), the others dense. No dense copy of the
 model, nor of any packed weight, is ever resident: the load peaks at the packed model plus one chunk.
 The weights that transformers writes under other names or shapes (a Mixtral's fused experts, written one
@@ -97,8 +98,9 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
             ``nmcompile prune`` (it holds ``nmcompile.json``, the layout record); nothing is downloaded.
         packed: hold the 2:4 weights packed only on the CPU
             (:class:`~nmcompile.kernels.cpu24.weight.PackedLinearWeight`, run by the 2:4 CPU kernel),
-            loaded without a dense copy ever resident: the load peaks at about the packed model's bytes.
-            Recorded weights the kernel cannot hold (another pattern, a reduction dim not a multiple of 16)
+            loaded without a dense copy ever resident: the load peaks at about the packed model's bytes. Read
+            from ``model_packed.pt`` where the folder holds it (a folder shipped for CPU serving needs no
+            safetensors file), else from the safetensors files. Recorded weights the kernel cannot hold (another pattern, a reduction dim not a multiple of 16)
             are loaded dense, with a warning naming them.
         dtype: the floating dtype of the weights (default: as stored).
         model_class: the ``transformers`` model class (default: the config's ``architectures``, else
@@ -178,13 +180,11 @@ def _packed_file(path: str, layout: Layout) -> str | None:
 
 
 def _sources(path: str, layout: Layout) -> dict:
-    """``{tensor name: source}``: the safetensors files, else the packed state dict the record names."""
-    files = weight_files(path, required=False)
-    if files:
-        return tensor_sources(files)
+    """``{tensor name: source}``: the packed state dict the record names (its 2:4 weights need no packing: half
+    the load time of a 1B model), else the safetensors files."""
     packed_file = _packed_file(path, layout)
     if packed_file is None:
-        weight_files(path)  # raises, naming what a directory must hold
+        return tensor_sources(weight_files(path))  # raises, naming what a directory must hold
     source = PackedStateFile(packed_file)
     return {key: source for key in source.keys()}
 

@@ -152,13 +152,17 @@ def build_on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
 class PackedStateFile:
     """A packed state dict file (``model_packed.pt``) as a source of the stream: ``keys``, ``shape``, ``dtype`` and
     ``read`` as :class:`~nmcompile.checkpoint.weight_files.SafetensorsFile` gives them (the dense tensor's; a packed
-    entry is unpacked where it is read), and :meth:`packed` for the entries stored packed. Memory-mapped: a
-    tensor's bytes are read when it is used."""
+    entry is unpacked where it is read), and :meth:`packed` for the entries stored packed.
+
+    The file is read whole (its bytes are the packed model's), and each entry is handed over once read: a packed
+    entry's bytes are freed once it is in the kernel's layout, a dense one becomes the parameter itself, so the
+    load peaks at about the packed bytes plus one weight (a memory-mapped read would keep every page it touched
+    resident until the end: 2.2x)."""
 
     def __init__(self, path) -> None:
         self.path = os.fspath(path)
         try:
-            self.state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+            self.state = torch.load(self.path, map_location="cpu", weights_only=True)
         except Exception as err:  # a torch.load of a damaged or foreign file raises many kinds
             raise ValueError(f"{self.path}: not a packed state dict ({type(err).__name__}: {str(err)[:200]}); write "
                              "the directory again with nmcompile.deploy.save_pretrained") from None
@@ -167,37 +171,46 @@ class PackedStateFile:
             raise ValueError(f"{self.path}: the packed state dict is damaged: {', '.join(lost[:3])} lost its "
                              f"{META_SUFFIX} entry; write the directory again with nmcompile.deploy.save_pretrained")
         self.dims = packed_dims(self.state)
+        self.entries = {key: (self._shape(key), self.state[key].dtype) for key in self.state
+                        if not key.endswith(META_SUFFIX)}
 
     def keys(self) -> list[str]:
-        return [key for key in self.state if not key.endswith(META_SUFFIX)]
+        return list(self.entries)
 
-    def shape(self, name: str) -> tuple[int, ...]:
+    def _shape(self, name: str) -> tuple[int, ...]:
         values, meta = self.state[name], self.state.get(name + META_SUFFIX)
         if meta is None:
             return tuple(values.shape)
         shape = (*values.shape[:-1], values.shape[-1] * 2)
         return shape[::-1] if self.dims.get(name) == 0 else shape
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][0]
+
     def dtype(self, name: str) -> torch.dtype:
-        return self.state[name].dtype
+        return self.entries[name][1]
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Dense tensor ``name`` (or its leading-dim slice ``rows``), as a new CPU tensor."""
+        """Dense tensor ``name`` (or its leading-dim slice ``rows``); the whole of a dense entry is handed over."""
         values, meta = self.state[name], self.state.get(name + META_SUFFIX)
         first, stop = rows if rows is not None else (0, self.shape(name)[0])
         if meta is None:
+            if rows is None:
+                return self.state.pop(name)
             return values[first:stop].clone()
         if self.dims.get(name) == 0:  # held as its transpose: rows of the file's layout are columns here
             return unpack(Packed24(values, meta), check=False).t()[first:stop].contiguous()
         return unpack(Packed24(values[first:stop], meta[first:stop]), check=False)
 
     def packed(self, name: str, dtype: torch.dtype | None) -> PackedLinearWeight | None:
-        """Entry ``name`` in the CPU kernel's layout (in ``dtype``; None: as stored), or None where it is stored
-        dense. A packed entry keeps at most 2 of every 4 by construction: nothing to count."""
-        meta = self.state.get(name + META_SUFFIX)
-        if meta is None:
+        """Entry ``name`` in the CPU kernel's layout (in ``dtype``; None: as stored), its file bytes freed, or None
+        where it is stored dense. A packed entry keeps at most 2 of every 4 by construction: nothing to count."""
+        if name + META_SUFFIX not in self.state:
             return None
-        values = self.state[name].to(dtype or self.state[name].dtype)
+        values, meta = self.state.pop(name), self.state.pop(name + META_SUFFIX)
+        values = values.to(dtype or values.dtype)
         v, b = cpu24.cpu_layout(values, meta)
-        shape = (values.shape[0], values.shape[1] * 2)
-        return PackedLinearWeight(v, b, shape, -1, cpu24.best_isa(values.dtype) or "", self.dims.get(name) == 0)
+        shape, isa = (values.shape[0], values.shape[1] * 2), cpu24.best_isa(values.dtype) or ""
+        del values, meta
+        memory.trim_heap()  # the file's bytes of this entry, freed between long-lived packed weights
+        return PackedLinearWeight(v, b, shape, -1, isa, self.dims.get(name) == 0)

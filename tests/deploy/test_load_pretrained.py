@@ -19,11 +19,12 @@ transformers = pytest.importorskip("transformers")
 kernel = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
 
 
-def saved(tmp_path, kind, **sizes):
+def saved(tmp_path, kind, packed=True, **sizes):
+    """A 2:4 model saved; ``packed=False``: without ``model_packed.pt``, so a packed load streams the safetensors."""
     torch.manual_seed(0)
     model = _gpt2(transformers) if kind == "gpt2" else tiny_llama(transformers, **sizes)
     report = magnitude_2_4(model)
-    save_pretrained(model, tmp_path / kind)
+    save_pretrained(model, tmp_path / kind, packed=packed)
     return model, report, tmp_path / kind
 
 
@@ -78,10 +79,11 @@ def test_a_saved_directory_loads_as_deployed_in_a_fresh_process(tmp_path, kind):
 
 @kernel
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_streamed_packing_makes_the_layout_pack_weights_makes(tmp_path, kind, monkeypatch):
+@pytest.mark.parametrize("packed_file", [False, True])
+def test_streamed_packing_makes_the_layout_pack_weights_makes(tmp_path, kind, packed_file, monkeypatch):
     from nmcompile.checkpoint import streaming
 
-    model, report, path = saved(tmp_path, kind)
+    model, report, path = saved(tmp_path, kind, packed=packed_file)
     monkeypatch.setattr(streaming, "chunk_budget", lambda elements: 16)  # one row group / word column per chunk
     packed = load_pretrained(path, packed=True)
     pack_weights(model, measure=False)
@@ -110,7 +112,7 @@ def test_restore_names_weights_that_are_not_what_the_record_says(tmp_path):
 
 @kernel
 def test_a_record_that_does_not_fit_the_files_stops_the_load(tmp_path):
-    _, _, path = saved(tmp_path, "llama")
+    _, _, path = saved(tmp_path, "llama", packed=False)
     record = json.loads((path / "nmcompile.json").read_text())
     record["weights"]["lm_head.weight"] = {"pattern": "2:4", "dim": 1, "shape": [256, 64]}  # dense in the file
     (path / "nmcompile.json").write_text(json.dumps(record))
@@ -173,16 +175,20 @@ print(json.dumps({"baseline": baseline, "peak": status("VmHWM"), "packed": resid
 @kernel
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak resident memory from /proc")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_packed_load_peaks_at_the_packed_model_s_bytes(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, source", [(torch.float32, "safetensors"), (torch.bfloat16, "safetensors"),
+                                           (torch.bfloat16, "model_packed.pt")])
+def test_the_packed_load_peaks_at_the_packed_model_s_bytes(tmp_path, dtype, source):
     torch.manual_seed(0)
     tiny = tiny_llama(transformers)
     magnitude_2_4(tiny)
     save_pretrained(tiny.to(dtype), tmp_path / "tiny")
     model = tiny_llama(transformers, hidden=512, intermediate=1536, layers=4, vocab=1024)  # 50 MB dense in fp32
     magnitude_2_4(model)
-    save_pretrained(model.to(dtype), tmp_path / "model", packed=False)
+    save_pretrained(model.to(dtype), tmp_path / "model", packed=source == "model_packed.pt")
     del model
+    if source == "model_packed.pt":  # the folder shipped for CPU serving: the packed file alone
+        for dense in tmp_path.glob("model/*.safetensors"):
+            dense.unlink()
     done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "tiny"), str(tmp_path / "model")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -300,7 +306,7 @@ def test_a_loaded_packed_model_converted_to_bf16_has_the_ranges_of_one_loaded_in
 
 @kernel
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_a_folder_holding_only_the_packed_file_loads_packed_as_the_whole_folder_does(tmp_path, kind, monkeypatch):
+def test_a_folder_holding_only_the_packed_file_loads_packed_as_the_safetensors_do(tmp_path, kind, monkeypatch):
     import shutil
 
     from nmcompile.checkpoint import streaming
@@ -313,6 +319,7 @@ def test_a_folder_holding_only_the_packed_file_loads_packed_as_the_whole_folder_
             shutil.copy(path / name, shipped / name)
     assert not list(shipped.glob("*.safetensors*"))
     ids = torch.randint(0, 256, (2, 12))
+    (path / "model_packed.pt").unlink()  # the reference: the same weights streamed from the safetensors files
     for dtype in (None, torch.bfloat16):
         whole = load_pretrained(path, packed=True, measure=False, dtype=dtype)
         with monkeypatch.context() as patch:  # the packed entries go straight into the kernel's layout
