@@ -124,6 +124,7 @@ def _tune(args) -> int:
             args.model_dir, threads=args.threads, dtypes=[DTYPES[d] for d in args.dtype or ()],
             routes=args.route or ("compile", "pack_weights"), tokens=args.tokens, include_heads=args.all,
             progress=None if args.quiet else (lambda line: print(f"timing {line}", file=sys.stderr, flush=True)),
+            even_if_busy=args.even_if_busy,
         )
     except (ImportError, ValueError, OSError, RuntimeError) as err:
         print(f"nmcompile tune: {err}", file=sys.stderr)
@@ -144,6 +145,11 @@ def _tune(args) -> int:
         finally:
             torch.set_num_threads(before)
     unwritable = sum(r.unwritable for r in rows)
+    busy = sum(r.stored.startswith("not stored: the machine is busy") for r in rows)
+    if busy:
+        print(f"nmcompile tune: the machine was busy: none of {busy} decisions was stored; run it again when it is "
+              "quiet, or with --even-if-busy", file=sys.stderr)
+        return 1
     if unwritable:
         print(f"nmcompile tune: {unwritable} decisions could not be written to the decision cache (see the table); "
               f"set {DIR_ENV} to a writable folder", file=sys.stderr)
@@ -263,7 +269,7 @@ def main(argv=None) -> int:
         "(kept dense by default) unless --all. Then it estimates what a decoded token would cost the whole model in "
         "each format (dense, 2:4, 2:4+int8, PyTorch's weight-only int8), from each linear shape's kernels timed here "
         "at one token and the other bytes a token reads, before anything is pruned. Exit status 2 on bad input, 1 "
-        "when the decision cache could not be written.",
+        "when the decision cache could not be written or the machine was busy (nothing stored).",
     )
     p.add_argument("model_dir", help="a local Hugging Face model directory (its config.json is read)")
     p.add_argument("--threads", type=_positive_int, nargs="+", help="thread counts to time at (default: torch's current, "
@@ -277,6 +283,8 @@ def main(argv=None) -> int:
     p.add_argument("--all", action="store_true", help="also output heads and MoE routers")
     p.add_argument("--no-estimate", action="store_true", help="leave out the estimate of what a decoded token would "
                    "cost the whole model in each format (dense, 2:4, 2:4+int8, torch int8), timed on this machine")
+    p.add_argument("--even-if-busy", action="store_true", help="store the timings even when the load average is above "
+                   "the cores (by default a busy machine's timings are shown, not stored)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=_tune)
     args = parser.parse_args(argv)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numbers
 import os
 import platform
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,14 +92,29 @@ def linear_shapes(model_dir: str | Path, include_heads: bool = False):
     return shapes, skipped, _config_dtype(config)
 
 
+def machine_busy() -> str | None:
+    """Why timings taken now would measure other work (the last minute's load average above this process's
+    cores), or None."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this system: nothing to say
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if load <= cores:
+        return None
+    return (f"the machine is busy (load average {load:.1f} over the last minute on {cores} cores): timings now "
+            "would measure the other work; run tune again when it is quiet, or pass --even-if-busy")
+
+
 def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTES), tokens=None,
-         include_heads: bool = False, progress=None) -> tuple[list[Tuned], dict[str, str]]:
+         include_heads: bool = False, progress=None, even_if_busy: bool = False) -> tuple[list[Tuned], dict[str, str]]:
     """Time and store the decisions of every distinct linear shape of the model in ``model_dir``.
 
     ``threads``: thread counts (default: torch's current); ``dtypes``: weight dtypes (default: the
     config's, fp32 where it names none); ``routes``: names from :data:`ROUTES`; ``tokens``: static
     token counts to time as well (a graph compiled for a fixed count times that count alone; the
-    default is the dynamic ladder only). Returns the rows and the layers left out, with why."""
+    default is the dynamic ladder only). On a busy machine (:func:`machine_busy`) it warns, times and keeps
+    nothing, unless ``even_if_busy``. Returns the rows and the layers left out, with why."""
     for name, counts in (("tokens", tokens), ("threads", threads)):  # before any work
         for count in counts or ():
             if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
@@ -116,6 +132,9 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
     shapes, skipped, config_dtype = linear_shapes(model_dir, include_heads)
     dtypes = list(dtypes or [config_dtype])
     ladders = [CPU_LADDER] + [(int(t),) for t in tokens or ()]
+    busy = None if even_if_busy else machine_busy()
+    if busy:
+        warnings.warn(f"nmcompile tune: {busy}", RuntimeWarning, stacklevel=2)
     before = torch.get_num_threads()
     rows = []
     try:
@@ -129,12 +148,14 @@ def tune(model_dir: str | Path, *, threads=None, dtypes=None, routes=tuple(ROUTE
                             if progress:
                                 progress(f"[{out_f}, {in_f}] {str(dtype).replace('torch.', '')} {count} thread(s) "
                                          f"{route} tokens {ladder[0]}{'...' if len(ladder) > 1 else ''}")
-                            measured = measure_ladder(out_f, in_f, dtype, bias, isa, ladder, ROUTES[route])
+                            measured = measure_ladder(out_f, in_f, dtype, bias, isa, ladder, ROUTES[route],
+                                                      keep_out=busy)
                             max_tokens = max_tokens_of(measured)
                             stored = "stored" if measured.stored else f"not stored: {measured.not_stored}"
                             rows.append(Tuned(out_f, in_f, bias, dtype, int(count), route, len(names), max_tokens,
                                               measured.ratios, stored,
-                                              unwritable=measured.source == "timed" and not measured.stored))
+                                              unwritable=measured.source == "timed" and not measured.stored
+                                              and not busy))
     finally:
         torch.set_num_threads(before)
     return rows, skipped
@@ -156,8 +177,12 @@ def format_table(rows: list[Tuned], skipped: dict[str, str]) -> str:
     unwritable = [r for r in rows if r.unwritable]
     if unwritable:
         summary += f"; {len(unwritable)} not stored: {unwritable[0].stored.removeprefix('not stored: ')}"
-    if len(rows) - written - len(unwritable):
-        summary += f"; {len(rows) - written - len(unwritable)} not stored: the bytes decided (timed again at deploy)"
+    busy = [r for r in rows if r.stored.startswith("not stored: the machine is busy")]
+    if busy:
+        summary += f"; {len(busy)} not stored: the machine was busy"
+    if len(rows) - written - len(unwritable) - len(busy):
+        summary += (f"; {len(rows) - written - len(unwritable) - len(busy)} not stored: the bytes decided (timed again "
+                    "at deploy)")
     out.append(summary)
     out.append(f"measured on: {decision_cache.describe_cpu(decision_cache.cpu_identity())}, host {platform.node()} "
                "(the cache's key names this CPU: another microarchitecture or ISA set times anew)")

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from nmcompile.app.cli import main
+from nmcompile.app import tune as tune_module
 from nmcompile.app.tune import tune
 from nmcompile.kernels import cpu24
 from nmcompile.kernels.dispatch import cpu as cpu_dispatch
 from nmcompile.kernels.dispatch import cache as decision_cache
 
+REAL_MACHINE_BUSY = tune_module.machine_busy
 needs_kernel = pytest.mark.skipif(not cpu24.status().available, reason=f"no 2:4 CPU kernel here: {cpu24.status().reason}")
 
 
@@ -27,8 +29,10 @@ def llama_dir(tmp_path):
 
 @pytest.fixture
 def fake_timer(monkeypatch):
-    """A layer 2x faster sparse up to 4 tokens, slower above; counts the shapes timed."""
+    """A layer 2x faster sparse up to 4 tokens, slower above; counts the shapes timed. The machine reads as
+    quiet (the suite's other worker keeps the load average up; these timings are fake)."""
     timed = []
+    monkeypatch.setattr(tune_module, "machine_busy", lambda: None)
 
     def layer_timer(out_f, in_f, dtype, bias, isa, packed_only):
         timed.append((out_f, in_f, dtype, packed_only))
@@ -176,3 +180,20 @@ def test_the_command_prints_the_estimate_unless_told_not_to(llama_dir, fake_time
         assert any(line.split()[:1] == [fmt.split()[0]] for line in out.splitlines())
     assert main(["tune", str(llama_dir), "--quiet", "--route", "compile", "--no-estimate"]) == 0
     assert "what a decoded token would cost" not in capsys.readouterr().out
+
+
+@needs_kernel
+def test_a_busy_machine_is_named_and_nothing_is_stored_unless_asked(llama_dir, fake_timer, capsys, monkeypatch):
+    monkeypatch.setattr(tune_module.os, "getloadavg", lambda: (9.5, 9.0, 8.0))
+    monkeypatch.setattr(tune_module, "machine_busy", REAL_MACHINE_BUSY)  # the fixture's quiet machine, undone
+    with pytest.warns(RuntimeWarning, match=r"machine is busy \(load average 9.5 over the last minute"):
+        code = main(["tune", str(llama_dir), "--threads", "1", "--route", "compile", "--quiet", "--no-estimate"])
+    captured = capsys.readouterr()
+    rows = [line for line in captured.out.splitlines() if line.startswith("[")]
+    assert len(rows) == 4 and all("not stored: the machine is busy" in line for line in rows), captured.out
+    assert "0 of 4 decisions written; 4 not stored: the machine was busy" in captured.out
+    assert code == 1 and "none of 4 decisions was stored" in captured.err
+    assert not list((decision_cache.cache_root() / "cpu24").glob("**/*.json"))  # nothing kept
+    assert main(["tune", str(llama_dir), "--threads", "1", "--route", "compile", "--quiet", "--no-estimate",
+                 "--even-if-busy"]) == 0
+    assert "4 of 4 decisions written" in capsys.readouterr().out

@@ -252,14 +252,14 @@ def _key(out_f, in_f, dtype, bias, isa, threads, ladder, packed_only) -> dict:
 
 
 def measure_ladder(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, ladder=CPU_LADDER,
-                   packed_only: bool = False) -> Ladder:
+                   packed_only: bool = False, keep_out: str | None = None) -> Ladder:
     """Time the ladder now, at the current thread count, and write it to the decision cache when it
-    could be trusted (never when the bytes model decided a rung). The ladder says what was written
-    (``stored``, the file) or why nothing was (``not_stored``)."""
+    could be trusted (never when the bytes model decided a rung, nor when ``keep_out`` says why not). The
+    ladder says what was written (``stored``, the file) or why nothing was (``not_stored``)."""
     measured = walk(tuple(ladder), layer_timer(out_f, in_f, dtype, bias, isa, packed_only), out_f, in_f, dtype,
                     packed_only=packed_only)
-    if measured.source != "timed":
-        return replace(measured, not_stored=provenance(measured))
+    if measured.source != "timed" or keep_out:
+        return replace(measured, not_stored=keep_out or provenance(measured))
     path, why = decision_cache.try_store(
         _key(out_f, in_f, dtype, bias, isa, torch.get_num_threads(), tuple(ladder), packed_only), measured.rungs)
     return replace(measured, stored=str(path) if path else "", not_stored=why)
