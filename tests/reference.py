@@ -169,3 +169,25 @@ def sparsegpt(w, x, n, m, percdamp=0.01, update=True, scales=None):
         w[:, j] = q
     out = w if update else w0 * keep
     return out.to(torch.float32), keep
+
+
+def int8_activation_linear(x, codes, row_scales, bias=None):
+    """float64 ``F.linear`` of int8 weight ``codes`` ``[N, K]`` (times ``row_scales``) with ``x`` quantized to int8
+    in blocks of 32 positions along K: a block's scale ``d`` is its largest magnitude / 127 (in fp32), its codes
+    ``x * (127 / amax)`` (fp32) rounded to nearest even; ``y = scale_row * sum_blocks d * (codes . codes)``. A
+    block holding NaN or inf makes its token's outputs NaN."""
+    k = x.shape[-1]
+    x32 = torch.nn.functional.pad(x.reshape(-1, k).float(), (0, -k % 32))
+    blocks = x32.view(x32.shape[0], x32.shape[1] // 32, 32)
+    amax = blocks.abs().amax(-1)
+    finite = torch.isfinite(blocks).all(-1)
+    d = torch.where(finite, amax / 127, torch.full_like(amax, float("nan")))
+    # 127 / amax as one fp32 division (Python's 127 / tensor is 127 * reciprocal(tensor), one more rounding)
+    inv = torch.where(finite & (amax > 0), torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    q = torch.round(torch.nan_to_num(blocks, 0.0, 0.0, 0.0) * inv[..., None]).double()
+    w = torch.nn.functional.pad(codes.double(), (0, -k % 32)).view(codes.shape[0], -1, 32)
+    dots = torch.einsum("tbk,nbk->tnb", q, w)
+    y = (dots * d.double()[:, None, :]).sum(-1) * row_scales.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y.view(*x.shape[:-1], codes.shape[0])

@@ -1,7 +1,8 @@
 """2:4 with int8 values against what a CPU user runs instead, per layer: dense bf16 and fp32 ``F.linear``,
 PyTorch's weight-only int8 (``aten._weight_int8pack_mm``, per-channel scales) and int4
 (``aten._weight_int4pack_mm_for_cpu``, group 128), nmcompile's 2:4 bf16 packed, and 2:4+int8
-(``nmsparse::cpu24_linear_q8``), bf16 activations.
+(``nmsparse::cpu24_linear_q8``), bf16 activations; and 2:4+int8 with the activations quantized to int8 in blocks
+of 32 (``isa="avx2_a8"``, integer products).
 
 Each variant runs ``--layers`` distinct Linear(4096, 4096) weights in turn (one pass = one call per layer),
 for each token count and thread count; every variant is timed in the same rotated rounds (medians), so a
@@ -38,6 +39,9 @@ from benchmarks.toolbox import interleaved_samples, machine  # noqa: E402
 
 DENSE = ("dense bf16", "dense fp32")
 TORCH_Q = ("torch int8 weight-only", "torch int4 weight-only g128")
+#: the same 2:4+int8 weight on the route that quantizes the activations to int8 (blocks of 32) and multiplies
+#: integers (``isa="avx2_a8"``)
+A8 = "2:4+int8, int8 activations"
 
 
 def weights(out_f: int, in_f: int, seed: int) -> dict:
@@ -53,10 +57,11 @@ def weights(out_f: int, in_f: int, seed: int) -> dict:
     layer = {
         "dense bf16": (bf16,), "dense fp32": (w.contiguous(),),
         "torch int8 weight-only": (int8, dense8.to(torch.bfloat16)),
-        "2:4 bf16": (values, bits), "2:4+int8": (codes, bits, scales),
+        "2:4 bf16": (values, bits), "2:4+int8": (codes, bits, scales), A8: (codes, bits, scales),
     }
     nbytes = {"dense bf16": bf16.nbytes, "dense fp32": w.nbytes, "torch int8 weight-only": int8.nbytes + out_f * 2,
               "2:4 bf16": values.nbytes + bits.nbytes, "2:4+int8": codes.nbytes + bits.nbytes + scales.nbytes}
+    nbytes[A8] = nbytes["2:4+int8"]
     try:  # int4: group-wise, bf16 scale and zero per group of 128, in the layout the CPU kernel takes
         group = 128
         grouped = w.reshape(out_f, in_f // group, group)
@@ -84,7 +89,7 @@ def call(name: str, x: torch.Tensor, w: tuple, out_f: int, isa: str):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], w[1], w[2])
     if name == "2:4 bf16":
         return torch.ops.nmsparse.cpu24_linear(x, w[0], w[1], None, None, out_f, -1, isa)
-    return torch.ops.nmsparse.cpu24_linear_q8(x, w[0], w[1], w[2], None, out_f, -1, isa)
+    return torch.ops.nmsparse.cpu24_linear_q8(x, w[0], w[1], w[2], None, out_f, -1, "avx2_a8" if name == A8 else isa)
 
 
 def main(argv=None) -> dict:

@@ -90,7 +90,7 @@ def _model_class(config, model_class):
 
 
 def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = None, model_class=None,
-                    measure: bool = True, head: str | None = "auto") -> nn.Module:
+                    measure: bool = True, head: str | None = "auto", activations: str = "float") -> nn.Module:
     """The model a deployed directory holds, with its N:M weights recorded as deployed (eval mode).
 
     Args:
@@ -114,6 +114,9 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
             ``packed``: the output head held as dense int8 rows, as ``pack_weights(model, bits=8, head=...)``
             holds it (``"auto"``: ``get_output_embeddings()``; a module name; None keeps it as stored). A
             module name for any other directory, or with ``packed=False``, is refused (ValueError).
+        activations: with ``packed``, what the int8 weights' products take their activations as: ``"float"`` or
+            ``"int8"`` (quantized in blocks of 32, integer products), as ``pack_weights(model, activations=...)``
+            says; ``"int8"`` for a directory without int8 values, or loaded dense, is refused (ValueError).
 
     A directory with int8 values (a ``bits=8`` one-shot solve, or a model unpacked from int8) loads
     ``packed`` straight from its int8 file (codes, positions, scales); dense, each such weight is its
@@ -140,6 +143,11 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
                          f"{path} is loaded {'packed' if packed else 'dense'} and its weights hold "
                          f"{'int8' if int8 else 'float'} values. Drop head=, or after loading call "
                          "nmcompile.deploy.pack_weights(model, bits=8, head=...)")
+    isa8 = cpu24.int8_isa(activations) if packed and int8 else None
+    if activations != "float" and isa8 is None:
+        raise ValueError(f"load_pretrained: activations={activations!r} is the route of int8 weights held packed; "
+                         f"{path} is loaded {'packed' if packed else 'dense'} and its weights hold "
+                         f"{'int8' if int8 else 'float'} values. Drop activations=")
     transformers = _transformers()
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     cls = _model_class(config, model_class)
@@ -164,10 +172,10 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
         dtype_built = dtype
     model = build_on_meta(cls, config, dtype_built)
     _compute_buffers(model, sources)
-    _stream(model, layout, sources, dtype, measure, path)
+    _stream(model, layout, sources, dtype, measure, path, isa8)
     found = _head_of(model, head) if int8 else None
     if found is not None:
-        _pack_head(model, *found)
+        _pack_head(model, *found, isa8)
     generation = os.path.join(path, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -190,9 +198,9 @@ def _sources(path: str, layout: Layout) -> dict:
 
 
 def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype | None, measure: bool,
-            directory: str) -> None:
+            directory: str, isa8: str | None) -> None:
     """Fill the meta parameters of ``model`` from ``sources``, the recorded 2:4 weights packed (those with int8
-    values from the directory's int8 file)."""
+    values from the directory's int8 file, run on ``isa8``)."""
     plan, missing, loaded, known = [], [], set(), set()
     for name, places in owners(model):
         names = [f"{m}.{p}" if m else p for m, _, p in places]
@@ -236,6 +244,7 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
         record = Deployed(entry.pattern, entry.dim, entry.recipe)
         if why is None and entry.bits == 8:  # its codes, positions and scales: the dense copy is not read
             weight = int8_file.packed(next(n for n in names if n in layout.weights), dtype or source.dtype(key))
+            weight = weight if weight.isa == isa8 else weight._with(isa=isa8)
             _hold_packed(weight, places, measure, f"{INT8_REASON}; loaded")
             for _, module, pname in places:
                 records.put(module, records.INT8, pname, weight.scales)

@@ -16,6 +16,7 @@ writes them as values + metadata without unpacking, so ``torch.load(weights_only
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ def token_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str,
     if not measure:
         return -1, (), ""
 
+    if isa == cpu24.A8_ISA:  # int8 weights: the float kernel's range on the shape (INT8_REASON)
+        isa = "avx2"
     max_tokens, measured = sparse_ladder(out_f, in_f, dtype, bias, isa, packed_only=True)
     return max_tokens, measured.ratios, provenance(measured)
 
@@ -100,7 +103,7 @@ BITS = (None, 8)
 INT8_REASON = "packed only, int8 values (token range: the float kernel's on this shape)"
 
 
-def _quantized(weight: PackedLinearWeight, grid: torch.Tensor | None = None) -> tuple[PackedLinearWeight, str]:
+def _quantized(weight: PackedLinearWeight, grid: torch.Tensor | None, isa: str) -> tuple[PackedLinearWeight, str]:
     """``weight`` (float values) with its kept values as int8 codes and per-row scales (:mod:`~nmcompile.kernels.
     cpu24.quantize`), computing in its dtype, and how: on ``grid`` (the scales a one-shot solve recorded) where
     the values still lie on it, else rounded to nearest."""
@@ -111,8 +114,8 @@ def _quantized(weight: PackedLinearWeight, grid: torch.Tensor | None = None) -> 
             "rounded to nearest (its values left the one-shot solve's int8 grid since it was solved)"
         found = quantize_layout(weight.values, weight.weight_shape[0])
     codes, scales = found
-    return PackedLinearWeight(codes, weight.bits, weight.weight_shape, weight.max_tokens,
-                              cpu24.best_isa(torch.int8) or weight.isa, weight.transposed, scales, weight.dtype), how
+    return PackedLinearWeight(codes, weight.bits, weight.weight_shape, weight.max_tokens, isa, weight.transposed,
+                              scales, weight.dtype), how
 
 
 def _head_of(model: nn.Module, head: str | None) -> tuple[str, nn.Linear] | None:
@@ -135,12 +138,19 @@ def _head_of(model: nn.Module, head: str | None) -> tuple[str, nn.Linear] | None
     return head, module
 
 
-def _pack_head(model: nn.Module, name: str, module: nn.Linear) -> Decision:
-    """The head's weight as dense int8 rows (:func:`~nmcompile.kernels.cpu24.quantize.quantize_dense`), in every
-    module holding that parameter (a tied input embedding looks its rows up in the same int8 table)."""
+def _pack_head(model: nn.Module, name: str, module: nn.Linear, isa: str) -> Decision:
+    """The head's weight as dense int8 rows (:func:`~nmcompile.kernels.cpu24.quantize.quantize_dense`) run on
+    ``isa``, in every module holding that parameter (a tied input embedding looks its rows up in the same int8
+    table)."""
     param = module.weight
+    tied = [(name, holder, attr) for name, holder in model.named_modules(remove_duplicate=False)
+            for attr, p in holder._parameters.items() if p is param]
     if isinstance(param, PackedLinearWeight):
-        return getattr(param, DECISION_ATTR, Decision("cpu24", "int8 rows"))
+        decision = getattr(param, DECISION_ATTR, Decision("cpu24", "int8 rows"))
+        if param.dense_rows and param.isa != isa:  # the other activations' route
+            decision = dataclasses.replace(decision, isa=isa)
+            set_packed(module, "weight", param._with(isa=isa), decision, is_trainable(param), tied)
+        return decision
     why = None
     if param.device.type != "cpu" or param.dtype not in cpu24.DTYPES:
         why = f"a {param.dtype} weight on {param.device.type} (the kernel takes CPU fp32/bf16/fp16)"
@@ -151,17 +161,14 @@ def _pack_head(model: nn.Module, name: str, module: nn.Linear) -> Decision:
     if why is not None:
         return Decision("dense", f"output head kept dense: {why}")
     values, scales = quantize_dense(param.detach())
-    tensor = PackedLinearWeight(values, None, tuple(param.shape), -1, cpu24.best_isa(torch.int8) or "avx2", False,
-                                scales, param.dtype)
+    tensor = PackedLinearWeight(values, None, tuple(param.shape), -1, isa, False, scales, param.dtype)
     decision = Decision("cpu24", "output head as dense int8 rows (every token count)", isa=tensor.isa)
-    tied = [(name, holder, attr) for name, holder in model.named_modules(remove_duplicate=False)
-            for attr, p in holder._parameters.items() if p is param]
     set_packed(module, "weight", tensor, decision, param.requires_grad, tied)
     return decision
 
 
 def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = None,
-                 head: str | None = "auto") -> dict[str, Decision]:
+                 head: str | None = "auto", activations: str = "float") -> dict[str, Decision]:
     """Hold every finalized 2:4 linear weight of ``model`` packed only; ``{name: decision}`` of each.
 
     A weight is packed when its record (from :func:`nmcompile.finalize`) says 2:4 along its
@@ -185,7 +192,17 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
     ``head="auto"`` is a Hugging Face model's ``get_output_embeddings()``, a name picks a module, None keeps it.
     ``bits=None`` on a model a one-shot recipe with ``bits=8`` was solved for (``sparsegpt:2:4,bits=8``) means 8:
     those layers are held on the grid the solve recorded, with no second rounding.
+
+    ``activations``: what the int8 weights' products take their activations as. ``"float"``: the layer's dtype,
+    widened to fp32. ``"int8"``: each call quantizes its activations in blocks of 32 positions (a block's scale
+    its largest magnitude / 127, round to nearest) and multiplies integers, the sums exact within a block
+    (:data:`~nmcompile.kernels.cpu24.A8_ISA`, AVX2): on one token 2-2.5x the float route's speed, at the
+    activations' rounding (a relative error of about 0.5% of a layer's output; the quality study measures it on
+    models). It applies to every int8 weight of the model, the head's too, and ``pack_weights(model,
+    activations=...)`` switches a packed model either way; a NaN or infinite activation makes its token's outputs
+    of the layer NaN.
     """
+    isa8 = cpu24.int8_isa(activations)
     if bits not in BITS:
         raise ValueError(f"nmcompile.deploy.pack_weights: bits={bits!r} is not supported; bits=8 holds the kept values "
                          "as int8 with a scale per row, bits=None (the default) in the weight's own dtype")
@@ -201,8 +218,16 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         if record is None:
             continue
         if isinstance(param, PackedLinearWeight):
+            if param.quantized and not param.dense_rows and param.isa != isa8:  # the other activations' route
+                tensor = param._with(isa=isa8)
+                reason = getattr(param, DECISION_ATTR, Decision("cpu24", INT8_REASON)).reason
+                decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure,
+                                     reason).decide(tensor)
+                set_packed(module, pname, tensor, decision, is_trainable(param), places)
+                out[name] = decision
+                continue
             if bits == 8 and not param.quantized:
-                tensor, how = _quantized(param, records.get(module, records.INT8, pname))
+                tensor, how = _quantized(param, records.get(module, records.INT8, pname), isa8)
                 decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure,
                                      f"{rule_reason}; {how}").decide(tensor)
                 set_packed(module, pname, tensor, decision, is_trainable(param), places)
@@ -231,14 +256,18 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         tensor = PackedLinearWeight(values, kept_bits, tuple(weight.shape), -1, cpu24.best_isa(weight.dtype), transposed)
         reason = rule_reason
         if bits == 8:
-            tensor, how = _quantized(tensor, records.get(module, records.INT8, pname))
+            tensor, how = _quantized(tensor, records.get(module, records.INT8, pname), isa8)
             reason = f"{rule_reason}; {how}"
         decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure, reason).decide(tensor)
         set_packed(module, pname, tensor, decision, param.requires_grad, places)
         out[name] = decision
-    found = _head_of(model, head) if bits == 8 else None
-    if found is not None and out:
-        out[f"{found[0]}.weight"] = _pack_head(model, *found)
+    int8 = bits == 8 or any(isinstance(p, PackedLinearWeight) and p.quantized for p in model.parameters())
+    found = _head_of(model, head) if int8 else None
+    if found is not None and out and (bits == 8 or isinstance(found[1].weight, PackedLinearWeight)):
+        out[f"{found[0]}.weight"] = _pack_head(model, *found, isa8)
+    if activations == "int8" and not int8:
+        raise ValueError("nmcompile.deploy.pack_weights: activations='int8' is the route of int8 weights, and "
+                         f"{type(model).__name__} holds none; pass bits=8 to quantize its 2:4 weights")
     if not out:
         raise ValueError(
             f"nmcompile.deploy.pack_weights: {type(model).__name__} has no finalized weight; call "

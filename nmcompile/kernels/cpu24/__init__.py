@@ -43,8 +43,8 @@ from torch import Tensor
 
 from ...ops import register_autocast
 
-__all__ = ["Status", "status", "library_name", "isas", "best_isa", "cpu_layout", "packed_layout", "cpu_pack", "unpack",
-           "ISAS", "DTYPES", "GROUP"]
+__all__ = ["Status", "status", "library_name", "isas", "best_isa", "int8_isa", "cpu_layout", "packed_layout", "cpu_pack",
+           "unpack", "ISAS", "A8_ISA", "DTYPES", "GROUP"]
 
 SOURCES = Path(__file__).parent  # the C++ sources sit beside this file
 #: ISA names the op takes, with the cpu24_isa() bits each needs. Measured on a Zen 5 core
@@ -155,6 +155,26 @@ def isas() -> tuple[str, ...]:
         return ()
     flags = int(torch.ops.nmsparse.cpu24_isa())
     return tuple(name for name, needs in ISAS.items() if flags & needs == needs)
+
+
+#: the route of int8 weights (2:4 or dense rows) that quantizes each call's activations to int8 in blocks of 32
+#: (scale: the block's largest magnitude / 127) and multiplies integers (``cpu24_a8.cpp``); AVX2 CPUs
+A8_ISA = "avx2_a8"
+
+
+def int8_isa(activations: str) -> str:
+    """The ISA of int8 weights whose products take their activations in ``activations``: ``"float"`` (the
+    layer's dtype, widened to fp32: :func:`best_isa`) or ``"int8"`` (:data:`A8_ISA`). ValueError where this CPU
+    cannot run it, or for another value."""
+    if activations == "float":
+        return best_isa(torch.int8) or "avx2"
+    if activations != "int8":
+        raise ValueError(f"activations={activations!r}: int8 weights take their activations as 'float' (the layer's "
+                         "dtype) or 'int8' (quantized in blocks of 32, integer products)")
+    if "avx2" not in isas():
+        raise ValueError("activations='int8' runs on the AVX2 integer kernel, which this machine cannot run ("
+                         f"{status().reason}); keep activations='float'")
+    return A8_ISA
 
 
 def best_isa(dtype: torch.dtype) -> str | None:

@@ -30,6 +30,9 @@ struct Nm24Args {
   int64_t prefetch_bytes; // how far ahead in a tile's values stream the weight is prefetched (the
                           // bits stream, 16x smaller, a quarter of it; cpu24_op.cpp: by CPU vendor)
   const float* scales = nullptr;  // [n] per-row scales of int8 values (NM24_I8), else nullptr
+  // the avx2_a8 route (cpu24_a8.cpp): x holds int8 activation codes [tokens, kp] (kp: k rounded up to 64,
+  // arranged per 64 positions as words [0 | 2 | 1 | 3]) and xscales their block scales [tokens, kp / 8]
+  const float* xscales = nullptr;
 };
 
 using Nm24Rows = void (*)(const Nm24Args&, int64_t, int64_t);
@@ -43,3 +46,8 @@ void nm24_rows_avx512_bf16(const Nm24Args& a, int64_t r0, int64_t r1);
 // the AVX-512 kernels' exact algorithm on plain arrays: runs anywhere, tests the AVX-512 logic
 void nm24_rows_emulated512(const Nm24Args& a, int64_t r0, int64_t r1);
 void nm24_rows_emulated512_bf16(const Nm24Args& a, int64_t r0, int64_t r1);
+// int8 weights (NM24_I8, NM24_I8_DENSE) times int8 activations in blocks of 32 (AVX2; cpu24_a8.cpp), and
+// the activations' quantization: x fp32 [tokens, kp] (k used, zero padded to kp) -> q [tokens, kq] arranged
+// and d [tokens, kq / 8] (kq: k rounded up to 64)
+void nm24_rows_a8_avx2(const Nm24Args& a, int64_t r0, int64_t r1);
+void nm24_quantize_a8(const float* x, int64_t tokens, int64_t k, int64_t kp, int8_t* q, float* d, int64_t kq);

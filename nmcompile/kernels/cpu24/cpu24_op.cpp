@@ -3,7 +3,8 @@
 //   cpu24_linear(x, values, bits, bias, weight, out_features, max_tokens, isa) = F.linear(x, W, bias),
 //     W the [out_features, K] 2:4 weight that values/bits hold (layout: cpu24_args.h). Calls with more than max_tokens rows
 //     (max_tokens >= 0) take the dense GEMM: on `weight` when it is given, else on W unpacked for the
-//     call. isa: "avx512_bf16", "avx512", "avx2", "emulated512", "emulated512_bf16".
+//     call. isa: "avx512_bf16", "avx512", "avx2", "emulated512", "emulated512_bf16"; the int8 ops also take
+//     "avx2_a8": the activations quantized to int8 in blocks of 32 and multiplied as integers (cpu24_a8.cpp).
 //   cpu24_linear_q8(x, values, bits, scales, bias, out_features, max_tokens, isa): the same with int8 values,
 //     row r scaled by scales[r] (fp32), for fp32, bf16 or fp16 inputs (the output in the input's dtype); calls
 //     above max_tokens take the dense GEMM on W dequantized into the input's dtype for the call. No autograd.
@@ -80,6 +81,7 @@ struct Isa {
   int64_t needs;  // isa_flags() bits
   bool bf16_pairs;
   Nm24Rows few_tokens;  // the rows of a call of at most kFewTokens tokens (same activation layout), null: `rows`
+  bool a8 = false;      // int8 weights times activations quantized to int8 in blocks of 32 (cpu24_a8.cpp)
 };
 
 // "avx512" runs one or two tokens with the AVX2 rows. On a Zen 5 core (1 thread, 8-16 cold [8192, 2048]
@@ -95,8 +97,9 @@ Isa isa_of(c10::string_view name) {
   if (name == "avx512_bf16") return {nm24_rows_avx512_bf16, 4, true, nullptr};
   if (name == "emulated512") return {nm24_rows_emulated512, 0, false, nullptr};
   if (name == "emulated512_bf16") return {nm24_rows_emulated512_bf16, 0, true, nullptr};
+  if (name == "avx2_a8") return {nm24_rows_a8_avx2, 1, false, nullptr, true};
   TORCH_CHECK(false, "nmsparse::cpu24_linear: unknown isa '", std::string(name),
-              "'; accepted: avx512_bf16, avx512, avx2, emulated512, emulated512_bf16");
+              "'; accepted: avx512_bf16, avx512, avx2, emulated512, emulated512_bf16, avx2_a8 (int8 weights)");
 }
 
 // "[2, 48]": shapes in messages are formatted here, not streamed as IntArrayRef (an extension built on a GPU
@@ -286,6 +289,9 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
               std::string(isa_name), "' (cpu24_isa() = ", isa_flags(), ")");
   TORCH_CHECK(!isa.bf16_pairs || values.scalar_type() == at::kBFloat16,
               "nmsparse::cpu24_linear: isa '", std::string(isa_name), "' takes bf16 weights and inputs");
+  TORCH_CHECK(!isa.a8 || values.scalar_type() == at::kChar, "nmsparse::cpu24_linear: isa '", std::string(isa_name),
+              "' quantizes the activations for int8 weights (cpu24_linear_q8, cpu24_dense_q8); ", values.scalar_type(),
+              " weights take avx2, avx512 or avx512_bf16");
   if (tokens == 0) return at::zeros(out_shape, x.options());
   const int64_t kp = (k + 31) / 32 * 32;
   at::Tensor xs;
@@ -313,6 +319,16 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
   Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), bits.defined() ? wdtype_of(values.scalar_type()) : NM24_I8_DENSE,
              bits_ptr, b32.defined() ? b32.data_ptr<float>() : nullptr,
              out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes(), scales};
+  at::Tensor codes, blocks;  // the avx2_a8 route's activations, int8 in blocks of 32
+  if (isa.a8) {
+    const int64_t kq = (k + 63) / 64 * 64;
+    codes = at::empty({tokens, kq}, x.options().dtype(at::kChar));
+    blocks = at::empty({tokens, kq / 8}, x.options().dtype(at::kFloat));
+    nm24_quantize_a8(xs.data_ptr<float>(), tokens, k, kp, codes.data_ptr<int8_t>(), blocks.data_ptr<float>(), kq);
+    a.x = codes.data_ptr();
+    a.kp = kq;
+    a.xscales = blocks.data_ptr<float>();
+  }
   nm24_split(tokens <= kFewTokens && isa.few_tokens ? isa.few_tokens : isa.rows, a, values.size(0), probe);
   return (loops ? narrowed(out) : out.to(x.scalar_type())).view(out_shape);
 }
@@ -349,7 +365,7 @@ void check_q8_input(const at::Tensor& x, const at::Tensor& scales, int64_t n, in
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
               " takes fp32, bf16 or fp16 inputs, got ", dtype);
   TORCH_CHECK(isa_name != "avx512_bf16" && isa_name != "emulated512_bf16", op, ": isa '", std::string(isa_name),
-              "' multiplies bf16 pairs; int8 values take avx2, avx512 or emulated512");
+              "' multiplies bf16 pairs; int8 values take avx2, avx512, emulated512 or avx2_a8");
 }
 
 at::Tensor cpu24_linear_q8(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
