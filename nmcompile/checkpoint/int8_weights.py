@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import cpu24
-from ..kernels.cpu24.quantize import ON_GRID, grid_codes
+from ..kernels.cpu24.quantize import grid_codes, on_grid
 from ..kernels.cpu24.weight import PackedLinearWeight
 from ..kernels.format24 import Packed24, pack, unpack
 from ..state import records
@@ -175,14 +175,15 @@ def record_grids(model: nn.Module, layout: Layout, directory: str) -> None:
 
 def check_against(found: Int8File, name: str, stored: Tensor) -> str:
     """What is wrong with the int8 codes of ``name`` against ``stored`` (the dense files' weight), or ``""``:
-    damaged codes or positions, or a stored weight that is not code times scale (within :data:`ON_GRID` steps)."""
+    damaged codes or positions, or a stored weight that is not code times scale (within :func:`on_grid` steps of
+    its dtype)."""
     try:
         weight = found.dense(name)
         scales = found.scales(name)
     except ValueError as err:
         return f"int8 codes: {err}"
     rows = _rows(stored.float(), found.layout.weights[name].dim)
-    off = ((rows - weight).abs() > ON_GRID * scales[:, None]).sum()
+    off = ((rows - weight).abs() > on_grid(stored.dtype) * scales[:, None]).sum()
     if int(off):
         return (f"{int(off)} values of the weights file are not the int8 codes of {found.path} times their row's "
                 "scale (the files come from different saves?)")

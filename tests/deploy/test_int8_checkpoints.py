@@ -165,3 +165,21 @@ def test_a_head_named_where_it_cannot_apply_is_refused_not_ignored(saved, tmp_pa
     with pytest.raises(ValueError, match=r"loaded packed and its weights hold float values.*pack_weights"):
         load_pretrained(tmp_path / "float", packed=True, head=head)
     load_pretrained(tmp_path / "float", packed=True, measure=False)  # the default ("auto") applies where it can
+
+
+def test_a_bf16_model_saves_and_loads_its_exact_codes(tmp_path):
+    """bf16 rounds code times scale by up to 0.496 steps (codes near 127): still nearest to its own code, so the
+    dense bf16 weights give the codes back exactly."""
+    torch.manual_seed(0)
+    model = tiny_llama(transformers).to(torch.bfloat16).eval()
+    magnitude_2_4(model)
+    pack_weights(model, bits=8, measure=False, head=None)
+    held = {n: (p.values.clone(), p.scales.clone()) for n, p in model.named_parameters() if getattr(p, "quantized", False)}
+    unpack_weights(model)
+    save_pretrained(model, tmp_path / "bf16")
+    loaded = load_pretrained(tmp_path / "bf16", packed=True, measure=False, head=None)
+    got = {n: (p.values, p.scales) for n, p in loaded.named_parameters() if getattr(p, "quantized", False)}
+    assert set(got) == set(held)
+    for name, (values, scales) in held.items():
+        assert torch.equal(got[name][0], values) and torch.equal(got[name][1], scales), name
+    assert check_path(tmp_path / "bf16", None, None, None).ok

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["LEVELS", "row_scales", "round_rows", "grid_codes", "quantize_layout", "quantize_dense", "dense_rows"]
+__all__ = ["LEVELS", "ON_GRID", "ON_GRID_BF16", "on_grid", "row_scales", "round_rows", "grid_codes", "quantize_layout", "quantize_dense", "dense_rows"]
 
 #: the largest int8 code used: the grid is -LEVELS..LEVELS
 LEVELS = 127
@@ -32,8 +32,17 @@ def row_scales(values: Tensor) -> Tensor:
 
 
 #: how far from its grid point (in steps) a value may lie and still be read as on it: a point ``k * s`` (``|k| <=
-#: 127``) stored in bf16 is off by at most ``127 * 2**-9`` = 0.25 steps, in fp16 0.06, in fp32 none
+#: 127``) stored in fp16 is off by at most ``127 * 2**-11`` = 0.06 steps, in fp32 by none
 ON_GRID = 0.3
+#: the same for values stored in bf16, whose rounding (half an ulp: up to ``2**-8`` of the value) puts ``127 * s``
+#: up to 0.496 steps off: still nearest to its own point, so the codes are recovered exactly, but a bf16 weight
+#: changed by less than half a step is read as on the grid
+ON_GRID_BF16 = 0.497
+
+
+def on_grid(dtype: torch.dtype) -> float:
+    """The steps a value stored in ``dtype`` may lie from its grid point: :data:`ON_GRID_BF16` or :data:`ON_GRID`."""
+    return ON_GRID_BF16 if dtype == torch.bfloat16 else ON_GRID
 
 
 def round_rows(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -45,10 +54,11 @@ def round_rows(w: Tensor) -> tuple[Tensor, Tensor]:
 
 def grid_codes(values: Tensor, scales: Tensor) -> tuple[Tensor, int]:
     """``(int8 codes, values off the grid)`` of ``values`` on the grid of ``scales`` (broadcast against them): a
-    value is off when it lies more than :data:`ON_GRID` steps from its grid point or past -127..127 steps."""
+    value is off when it lies more than :func:`on_grid` steps of its dtype from its grid point or past -127..127
+    steps."""
     steps = values.float() / scales
     codes = torch.round(steps)
-    off = ((steps - codes).abs() > ON_GRID) | (codes.abs() > LEVELS)
+    off = ((steps - codes).abs() > on_grid(values.dtype)) | (codes.abs() > LEVELS)
     return codes.clamp_(-LEVELS, LEVELS).to(torch.int8), int(off.sum())
 
 
