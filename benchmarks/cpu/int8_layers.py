@@ -57,11 +57,14 @@ def weights(out_f: int, in_f: int, seed: int) -> dict:
     layer = {
         "dense bf16": (bf16,), "dense fp32": (w.contiguous(),),
         "torch int8 weight-only": (int8, dense8.to(torch.bfloat16)),
-        "2:4 bf16": (values, bits), "2:4+int8": (codes, bits, scales), A8: (codes, bits, scales),
+        "2:4 bf16": (values, bits), "2:4+int8": (codes, bits, scales),
     }
+    if "avx2" in cpu24.isas():
+        layer[A8] = (codes, bits, scales)
     nbytes = {"dense bf16": bf16.nbytes, "dense fp32": w.nbytes, "torch int8 weight-only": int8.nbytes + out_f * 2,
               "2:4 bf16": values.nbytes + bits.nbytes, "2:4+int8": codes.nbytes + bits.nbytes + scales.nbytes}
-    nbytes[A8] = nbytes["2:4+int8"]
+    if A8 in layer:
+        nbytes[A8] = nbytes["2:4+int8"]
     try:  # int4: group-wise, bf16 scale and zero per group of 128, in the layout the CPU kernel takes
         group = 128
         grouped = w.reshape(out_f, in_f // group, group)

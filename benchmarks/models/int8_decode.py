@@ -10,7 +10,9 @@ A Llama-shaped Hugging Face directory (``--model``, default ``/work/models/llama
 - ``2:4 bf16``: the 2:4 model of ``real_scale.load_24`` (packed, the head dense bf16), compiled with
   ``backend="nmsparse"``;
 - ``2:4+int8``: the same model after ``nmcompile.deploy.pack_weights(model, bits=8)``: int8 codes with a scale
-  per row, the output head (and the embedding tied to it) dense int8 rows; compiled with ``nmsparse``.
+  per row, the output head (and the embedding tied to it) dense int8 rows; compiled with ``nmsparse``;
+- ``2:4+int8 a8``: that model with ``pack_weights(model, activations="int8")``: the same codes, each call's
+  activations quantized to int8 in blocks of 32 and multiplied as integers.
 
 Each variant at 1 and 2 threads: greedy ``generate`` of ``--new-tokens`` (64) after a ``--prompt``-token (128)
 random prompt, ``--runs`` rounds round-robin (medians of the decode step), prefill time and the weight bytes a
@@ -26,6 +28,7 @@ Run it alone: every figure is as good as the machine is quiet.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -38,6 +41,10 @@ if __package__ in (None, ""):  # run as a file: the repository root, after the i
 from benchmarks.models.real_scale import (Variant, decoder_linears, default_dir, load_24, load_dense,  # noqa: E402
                                           prompt_ids, release, summary, time_group, weight_bytes)
 from benchmarks.toolbox import bandwidth, machine, resident_mb  # noqa: E402
+
+
+#: 2:4+int8 with ``activations="int8"``: each call's activations quantized in blocks of 32, integer products
+A8 = "2:4+int8 a8"
 
 
 class TorchInt8Linear(nn.Module):
@@ -117,6 +124,10 @@ def main(argv=None) -> dict:
     result["pack_int8"] = {"layers": len(decisions), "head": str(decisions.get("lm_head.weight", "kept"))}
     result["bytes"]["2:4+int8"] = weight_bytes(sparse8)
     add("2:4+int8", sparse8, ["compiled"], "nmsparse")
+    sparse8a = copy.deepcopy(sparse8)  # the same codes, on the route that quantizes the activations
+    nmcompile.deploy.pack_weights(sparse8a, activations="int8")
+    result["bytes"][A8] = weight_bytes(sparse8a)
+    add(A8, sparse8a, ["compiled"], "nmsparse")
     dense = load_dense(path, torch.bfloat16)
     result["bytes"]["dense bf16"] = weight_bytes(dense)
     add("dense bf16", dense, ["eager", "compiled"])
@@ -157,7 +168,7 @@ def main(argv=None) -> dict:
 
 
 #: the measured variant each format of the estimate is checked against (its best mode at that thread count)
-ESTIMATED = {"dense": "dense bf16", "2:4": "2:4 bf16", "2:4+int8": "2:4+int8", "torch int8": "torch int8"}
+ESTIMATED = {"dense": "dense bf16", "2:4": "2:4 bf16", "2:4+int8": "2:4+int8", "torch int8": "torch int8", A8: A8}
 
 
 def estimate_against(path: str, measured: dict, threads, context: int) -> dict:

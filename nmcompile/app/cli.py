@@ -267,7 +267,7 @@ def main(argv=None) -> int:
         "keyed by CPU, threads, dtype, shape and versions: later processes then compile without timing. Run it on a "
         "quiet machine; a timing that cannot be right is not stored (the table says so). Output heads and MoE routers are left out "
         "(kept dense by default) unless --all. Then it estimates what a decoded token would cost the whole model in "
-        "each format (dense, 2:4, 2:4+int8, PyTorch's weight-only int8), from each linear shape's kernels timed here "
+        "each format (dense, 2:4, 2:4+int8 with float and with int8 activations, PyTorch's weight-only int8), from each linear shape's kernels timed here "
         "at one token and the other bytes a token reads, before anything is pruned. Exit status 2 on bad input, 1 "
         "when the decision cache could not be written or the machine was busy (nothing stored).",
     )
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
                    "with a fixed count times that count alone; default: the dynamic ladder only)")
     p.add_argument("--all", action="store_true", help="also output heads and MoE routers")
     p.add_argument("--no-estimate", action="store_true", help="leave out the estimate of what a decoded token would "
-                   "cost the whole model in each format (dense, 2:4, 2:4+int8, torch int8), timed on this machine")
+                   "cost the whole model in each format (dense, 2:4, 2:4+int8, 2:4+int8 a8, torch int8), timed on this machine")
     p.add_argument("--even-if-busy", action="store_true", help="store the timings even when the load average is above "
                    "the cores (by default a busy machine's timings are shown, not stored)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

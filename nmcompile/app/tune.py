@@ -199,7 +199,9 @@ def format_table(rows: list[Tuned], skipped: dict[str, str]) -> str:
 
 #: the formats a token's cost is estimated for: what the decoder's linears and the output head run as
 FORMATS = {"dense": ("dense", "dense"), "2:4": ("2:4", "dense"), "2:4+int8": ("2:4+int8", "int8 rows"),
-           "torch int8": ("torch int8", "torch int8")}
+           "2:4+int8 a8": ("2:4+int8 a8", "int8 rows a8"), "torch int8": ("torch int8", "torch int8")}
+#: the formats whose int8 weights take their activations as int8 (``pack_weights(activations="int8")``): AVX2 only
+A8_FORMATS = ("2:4+int8 a8",)
 #: weight bytes per timed variant: copies rotated so that a call never finds its weight in the caches
 COLD_BYTES = 256 << 20
 MAX_COPIES = 64
@@ -237,11 +239,15 @@ def _weights(out_f: int, in_f: int, dtype: torch.dtype, head: bool) -> dict[str,
         else:
             values, s = quantize_dense(w)
             out["int8 rows"] = (PackedLinearWeight(values, None, (out_f, in_f), -1, isa8, False, s, dtype),)
+        if "avx2" in cpu24.isas():
+            out["int8 rows a8"] = (out["int8 rows"][0]._with(isa=cpu24.A8_ISA),) if in_f % 16 == 0 else out["dense"]
         return out
     values, bits, _ = cpu24.cpu_pack(w)
     q_values, q_s = quantize_layout(values, out_f)
     out["2:4"] = (PackedLinearWeight(values, bits, (out_f, in_f), -1, cpu24.best_isa(dtype) or ""),)
     out["2:4+int8"] = (PackedLinearWeight(q_values, bits, (out_f, in_f), -1, isa8, False, q_s, dtype),)
+    if "avx2" in cpu24.isas():
+        out["2:4+int8 a8"] = (out["2:4+int8"][0]._with(isa=cpu24.A8_ISA),)
     return out
 
 
@@ -292,8 +298,9 @@ def token_costs(model_dir: str | Path, *, dtype: torch.dtype | None = None, cont
     sparse, _, config_dtype = linear_shapes(model_dir)
     every, _, _ = linear_shapes(model_dir, include_heads=True)
     dtype = dtype or config_dtype
-    seconds = {f: 0.0 for f in FORMATS}
-    nbytes = {f: 0 for f in FORMATS}
+    formats = [f for f in FORMATS if f not in A8_FORMATS or "avx2" in cpu24.isas()]
+    seconds = {f: 0.0 for f in formats}
+    nbytes = {f: 0 for f in formats}
     for (out_f, in_f, bias), names in every.items():
         dense_names = [n for n in names if n not in sparse.get((out_f, in_f, bias), ())]
         for head, count in ((False, len(names) - len(dense_names)), (True, len(dense_names))):
@@ -302,13 +309,14 @@ def token_costs(model_dir: str | Path, *, dtype: torch.dtype | None = None, cont
             if progress:
                 progress(f"[{out_f}, {in_f}] x {count}{' (kept dense)' if head else ''}: one token in each format")
             timed = _time_shape(out_f, in_f, dtype, head, rounds)
-            for fmt, (linear, kept) in FORMATS.items():
+            for fmt in formats:
+                linear, kept = FORMATS[fmt]
                 t, b = timed[kept if head else linear]
                 seconds[fmt] += count * t
                 nbytes[fmt] += count * b
     bandwidth = nbytes["dense"] / seconds["dense"] if seconds["dense"] else 0.0
     other = _other_bytes(model_dir, dtype, context)
-    return [TokenCost(f, seconds[f], nbytes[f], other / bandwidth if bandwidth else 0.0) for f in FORMATS]
+    return [TokenCost(f, seconds[f], nbytes[f], other / bandwidth if bandwidth else 0.0) for f in formats]
 
 
 def _other_bytes(model_dir: str | Path, dtype: torch.dtype, context: int) -> int:

@@ -145,7 +145,8 @@ def test_the_estimate_sums_each_shape_s_kernels_in_every_format(llama_dir, monke
     from nmcompile.app import tune as tune_module
 
     calls = []
-    cost = {"dense": 4.0, "2:4": 2.0, "2:4+int8": 1.0, "torch int8": 3.0, "int8 rows": 1.5}
+    cost = {"dense": 4.0, "2:4": 2.0, "2:4+int8": 1.0, "torch int8": 3.0, "int8 rows": 1.5, "2:4+int8 a8": 0.5,
+            "int8 rows a8": 0.75}
 
     def time_shape(out_f, in_f, dtype, head, rounds):
         calls.append((out_f, in_f, head))
@@ -161,6 +162,9 @@ def test_the_estimate_sums_each_shape_s_kernels_in_every_format(llama_dir, monke
     assert costs["2:4"].linear_seconds == pytest.approx(layers * 2e-3 + 4e-3)  # the head dense
     assert costs["2:4+int8"].linear_seconds == pytest.approx(layers * 1e-3 + 1.5e-3)  # the head int8 rows
     assert costs["torch int8"].linear_seconds == pytest.approx((layers + 1) * 3e-3)
+    if "avx2" in cpu24.isas():  # int8 activations: the same bytes on their own kernels
+        assert costs["2:4+int8 a8"].linear_seconds == pytest.approx(layers * 0.5e-3 + 0.75e-3)
+        assert costs["2:4+int8 a8"].weight_bytes == costs["2:4+int8"].weight_bytes
     linear = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3)
     assert costs["dense"].weight_bytes == 2 * (linear + 256 * 64)  # bf16
     assert costs["2:4+int8"].weight_bytes < costs["torch int8"].weight_bytes < costs["2:4"].weight_bytes \
