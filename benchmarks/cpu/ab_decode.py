@@ -12,7 +12,8 @@ round, the medians, and the ratio of the two sides' 2:4 times.
 The model (what issue 52 measured): a GPT-2-shaped Hugging Face model with random weights (``--layers``
 blocks of width ``--width``), every block weight pruned 2:4 by magnitude, ``nmcompile.finalize(model,
 pattern="2:4")``, ``model.forward`` compiled with ``backend="nmsparse"`` (``--packed``: held packed
-only first, with ``nmcompile.deploy.pack_weights``; ``--kernel cpu24``: the 2:4 kernel on every layer, so that
+only first, with ``nmcompile.deploy.pack_weights``; ``--int8 float|int8``: with int8 values, the activations as
+given; ``--kernel cpu24``: the 2:4 kernel on every layer, so that
 the comparison is the kernel's and not what each side's compile-time timing decided); dense: the same weights
 compiled with Inductor.
 
@@ -42,7 +43,7 @@ import torch
 import transformers
 import nmcompile
 
-layers, width, tokens, prompt, dtype, packed, reps, kernel = json.loads(sys.argv[1])
+layers, width, tokens, prompt, dtype, packed, reps, kernel, int8 = json.loads(sys.argv[1])
 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 config = transformers.GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=1024, vocab_size=50257)
 torch.manual_seed(0)
@@ -55,7 +56,9 @@ dense = dense.to(dtype).requires_grad_(False)
 sparse = transformers.GPT2LMHeadModel(config).eval().to(dtype).requires_grad_(False)
 sparse.load_state_dict(dense.state_dict())
 nmcompile.finalize(sparse, pattern="2:4")
-if packed:
+if int8:  # int8 values, the activations as given (both sides must know activations=)
+    nmcompile.deploy.pack_weights(sparse, bits=8, head=None, activations=int8)
+elif packed:
     nmcompile.deploy.pack_weights(sparse)
 dense.forward = torch.compile(dense.forward)
 sparse.forward = torch.compile(sparse.forward, backend="nmsparse", options={"deploy_kernel": kernel})
@@ -94,7 +97,8 @@ def worktree(commit: str) -> Path:
 
 def start(name: str, tree: Path, args, cache: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree), NMCOMPILE_CACHE_DIR=str(cache))
-    spec = json.dumps([args.layers, args.width, args.tokens, args.prompt, args.dtype, args.packed, args.reps, args.kernel])
+    spec = json.dumps([args.layers, args.width, args.tokens, args.prompt, args.dtype, args.packed, args.reps, args.kernel,
+                       args.int8])
     child = subprocess.Popen([sys.executable, "-c", CHILD, spec], cwd=tree, env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     ready = json.loads(child.stdout.readline() or "{}")
@@ -127,6 +131,9 @@ def main() -> int:
                         help="the deploy_kernel option: auto (each layer as the dispatch decides: what a user gets) or "
                              "cpu24 (the 2:4 kernel at every layer and token count: the kernel alone, whatever a noisy "
                              "timing decided)")
+    parser.add_argument("--int8", choices=("float", "int8"), help="hold the 2:4 weights packed with int8 values "
+                        "(pack_weights(bits=8), head kept), their activations as given (both commits must take "
+                        "activations=)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     for flag in ("rounds", "reps", "layers", "width", "tokens", "prompt"):

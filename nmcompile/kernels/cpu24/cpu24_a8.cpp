@@ -7,7 +7,7 @@
 // the integer products summed exactly by vpmaddubsw/vpmaddwd (|code| <= 127 on both sides: a pair's sum
 // stays within int16). The float route (cpu24_avx2.cpp) widens every kept value to fp32 and multiplies it
 // with fp32 activations: some 12 instructions per 16 positions, which held 2:4 int8 at 7.5 GB/s of weight
-// bytes on two Zen 3 cores; this one takes about 23 per 64 positions and reads the weight at the memory's
+// bytes on two Zen 3 cores; this one takes about 20 per 64 positions and reads the weight at the memory's
 // speed there (benchmarks/cpu/int8_layers.py).
 //
 // A step covers 4 words (64 positions) of a row. The activation codes are stored arranged per step as
@@ -31,9 +31,10 @@ constexpr int G = NM24_GROUP;
 
 // the step's controls, built at compile time (a constructor at load would run AVX2 code on any CPU)
 struct A8Tables {
-  // sel[r][k]: for row r, which byte of the step's position bits each control byte reads: k = 0 words
-  // [0 | 2] (low nibbles), 1 words [1 | 3] (low), 2 and 3 the same shifted right by 4 (high nibbles)
-  alignas(32) uint8_t sel[G][4][32];
+  // sel[r][k]: for row r, which byte of the step's nibbles (one byte per group of 4 positions, rows r % 4 at
+  // bytes 4 (r % 4)..+3 of each lane: rows 0-3 in one vector, 4-7 in another) each control byte reads: k = 0
+  // from words [0 | 2] (the control's first half in each lane), 1 from words [1 | 3] (its second half)
+  alignas(32) uint8_t sel[G][2][32];
   alignas(32) uint8_t first_second[32];  // nibble -> first kept position; nibble ^ 1 -> second
   alignas(32) uint8_t second[32];        // 1 on the bytes of a pair's second value
   alignas(32) uint8_t group_base[32];    // 4 * the group of 4 positions a control byte is in
@@ -53,10 +54,7 @@ struct A8Tables {
         group_base[at] = static_cast<uint8_t>(4 * group);
         // byte j of lane `lane`: half j / 8 (0: word 0 or 2 by lane, 1: word 1 or 3), group i / 2
         for (int r = 0; r < G; ++r)
-          for (int k = 0; k < 4; ++k) {
-            const int half = k & 1, odd = k >> 1;
-            sel[r][k][at] = static_cast<uint8_t>(j / 8 == half && group % 2 == odd ? 2 * r + group / 2 : 0x80);
-          }
+          for (int k = 0; k < 2; ++k) sel[r][k][at] = static_cast<uint8_t>(j / 8 == k ? 4 * (r % 4) + group : 0x80);
       }
   }
 };
@@ -133,18 +131,23 @@ inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
       xb[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * kq + s * 64 + 32));
       ds[t] = _mm256_loadu_ps(d + t * (kq / 8) + s * 8);
     }
-    const __m256i s0 = load2(b, b + 2 * G), s1 = load2(b + G, b + 3 * G);  // bits of words [0 | 2], [1 | 3]
-    const __m256i s0h = _mm256_srli_epi16(s0, 4), s1h = _mm256_srli_epi16(s1, 4);
+    // the step's position bits, one byte per group of 4 positions (its nibble): words [0 | 2] and [1 | 3], rows
+    // 0-3 and 4-7. Done once for the 8 rows, this took a row's control from 10 instructions to 6 (a loop's
+    // compute-bound rate per core 10.9 -> 13.3-14.2 GB/s, Zen 3, a standalone probe)
+    const __m256i s0 = load2(b, b + 2 * G), s1 = load2(b + G, b + 3 * G);
+    const __m256i lo0 = _mm256_and_si256(s0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(s0, 4), low4);
+    const __m256i lo1 = _mm256_and_si256(s1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(s1, 4), low4);
+    const __m256i nib02[2] = {_mm256_unpacklo_epi8(lo0, hi0), _mm256_unpackhi_epi8(lo0, hi0)};
+    const __m256i nib13[2] = {_mm256_unpacklo_epi8(lo1, hi1), _mm256_unpackhi_epi8(lo1, hi1)};
     for (int rp = r0; rp < r0 + RP; rp += 2) {
       // rows rp, rp + 1 of words [0 | 2] and [1 | 3]; unpacked: a row's [w0 w1 | w2 w3]
       const __m256i wa = load2(v + rp * 8, v + 2 * G * 8 + rp * 8), wb = load2(v + G * 8 + rp * 8, v + 3 * G * 8 + rp * 8);
       const __m256i wr[2] = {_mm256_unpacklo_epi64(wa, wb), _mm256_unpackhi_epi64(wa, wb)};
       for (int h = 0; h < 2; ++h) {
         const int r = rp + h;
-        const uint8_t(*sel)[32] = kA8.sel[r];
-        __m256i nib = _mm256_or_si256(_mm256_or_si256(_mm256_shuffle_epi8(s0, load32(sel[0])), _mm256_shuffle_epi8(s1, load32(sel[1]))),
-                                      _mm256_or_si256(_mm256_shuffle_epi8(s0h, load32(sel[2])), _mm256_shuffle_epi8(s1h, load32(sel[3]))));
-        nib = _mm256_xor_si256(_mm256_and_si256(nib, low4), second);
+        const __m256i nib = _mm256_xor_si256(_mm256_or_si256(_mm256_shuffle_epi8(nib02[r / 4], load32(kA8.sel[r][0])),
+                                                             _mm256_shuffle_epi8(nib13[r / 4], load32(kA8.sel[r][1]))),
+                                             second);
         const __m256i ctl = _mm256_add_epi8(_mm256_shuffle_epi8(lut, nib), base);
         for (int t = 0; t < TT; ++t) {
           const __m256i xg = _mm256_blend_epi32(_mm256_shuffle_epi8(xa[t], ctl), _mm256_shuffle_epi8(xb[t], ctl), 0xCC);
