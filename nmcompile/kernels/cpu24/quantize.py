@@ -5,7 +5,9 @@ symmetric and negating a weight negates its code), held in fp32 whatever the act
 scale would carry up to 0.4% of relative error into every product of its row, for 4 bytes a row (0.1% of
 a 4096-wide int8 row's bytes). A row of zeros gets scale 1 (codes 0), never 0 or NaN. The kernel
 multiplies the integer codes with fp32 activations, sums in fp32, and scales the row's sum once
-(``nmsparse::cpu24_linear_q8``).
+(``nmsparse::cpu24_linear_q8``); on the ``avx2_a8`` route (``activations="int8"``) with the activations'
+int8 codes, each block of 32 summed as integers and scaled by its block's scale first (``cpu24_a8.cpp``).
+The ``-128``-free grid is what lets that route negate codes by sign (``vpsignb``) without overflow.
 """
 
 from __future__ import annotations
