@@ -175,7 +175,8 @@ def int8_activation_linear(x, codes, row_scales, bias=None):
     """float64 ``F.linear`` of int8 weight ``codes`` ``[N, K]`` (times ``row_scales``) with ``x`` quantized to int8
     in blocks of 32 positions along K: a block's scale ``d`` is its largest magnitude / 127 (in fp32), its codes
     ``x * (127 / amax)`` (fp32) rounded to nearest even; ``y = scale_row * sum_blocks d * (codes . codes)``. A
-    block holding NaN or inf makes its token's outputs NaN."""
+    block holding NaN or inf makes its token's outputs NaN. ``row_scales`` ``[N, K / group]`` (4-bit weights): a
+    scale per row and group of positions, each block's product times its group's."""
     k = x.shape[-1]
     x32 = torch.nn.functional.pad(x.reshape(-1, k).float(), (0, -k % 32))
     blocks = x32.view(x32.shape[0], x32.shape[1] // 32, 32)
@@ -187,7 +188,26 @@ def int8_activation_linear(x, codes, row_scales, bias=None):
     q = torch.round(torch.nan_to_num(blocks, 0.0, 0.0, 0.0) * inv[..., None]).double()
     w = torch.nn.functional.pad(codes.double(), (0, -k % 32)).view(codes.shape[0], -1, 32)
     dots = torch.einsum("tbk,nbk->tnb", q, w)
-    y = (dots * d.double()[:, None, :]).sum(-1) * row_scales.double()
+    if row_scales.dim() == 2:  # [N, K / group]: each block's group's scale
+        per_block = row_scales.double().repeat_interleave(k // row_scales.shape[1] // 32, dim=1)
+        y = (dots * d.double()[:, None, :] * per_block[None]).sum(-1)
+    else:
+        y = (dots * d.double()[:, None, :]).sum(-1) * row_scales.double()
     if bias is not None:
         y = y + bias.double()
     return y.view(*x.shape[:-1], codes.shape[0])
+
+
+def int4_groups(w, group):
+    """``(codes, scales)`` of a 2:4 weight ``w`` ``[N, K]`` on 4-bit grids, from the definition: per row and group
+    of ``group`` positions, ``d`` = the group's value of largest magnitude (the first in position order) / -8,
+    rounded to fp16; codes ``round(w / d)`` (the quotient in fp32) clamped to -8..7 (0 where ``d`` is 0). Returns the codes as a dense
+    float64 ``[N, K]`` (0 at pruned positions) and ``d`` as float64 ``[N, K / group]``."""
+    n, k = w.shape
+    wg = w.double().view(n, k // group, group)
+    top = wg.gather(2, wg.abs().argmax(2, keepdim=True)).squeeze(2)
+    d = (top.float() / -8).half().double()
+    dd = d.repeat_interleave(group, dim=1)
+    quotient = (w.float() / torch.where(dd != 0, dd, 1.0).float()).double()
+    codes = torch.where(dd != 0, torch.round(quotient), 0.0).clamp(-8, 7)
+    return codes, d

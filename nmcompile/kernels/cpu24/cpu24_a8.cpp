@@ -1,5 +1,5 @@
-// int8 weights times int8 activations, AVX2: the "avx2_a8" route of nmsparse::cpu24_linear_q8 and
-// nmsparse::cpu24_dense_q8.
+// int8 or 4-bit weights times int8 activations, AVX2: the "avx2_a8" route of nmsparse::cpu24_linear_q8,
+// nmsparse::cpu24_dense_q8 and nmsparse::cpu24_linear_q4.
 //
 // The activations of each token are quantized in blocks of 32 positions (a block's scale d = its largest
 // magnitude / 127, codes rounded to nearest even), and each row's sum is
@@ -20,7 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")  // f16c: the 4-bit weights' fp16 scales
 #include <immintrin.h>
 
 #include "cpu24_args.h"
@@ -101,29 +101,37 @@ inline float tail(const Nm24Args& a, const int8_t* v, const uint16_t* b, int64_t
 
 inline void store(const Nm24Args& a, int64_t row, int64_t t, float sum) {
   if (row >= a.n) return;  // the layout's padding rows
-  a.out[t * a.n + row] = sum * a.scales[row] + (a.bias ? a.bias[row] : 0.0f);
+  a.out[t * a.n + row] = (a.scales ? sum * a.scales[row] : sum) + (a.bias ? a.bias[row] : 0.0f);
 }
 
-// rows [group * G + r0, + RP) (RP even) of a 2:4 weight, tokens [t0, t0 + TT)
-template <int RP, int TT>
+// rows [group * G + r0, + RP) (RP even) of a 2:4 weight, tokens [t0, t0 + TT); Q4: 4-bit codes with a scale per
+// row and group of positions (NM24_I4: K a multiple of the group, so no words past the last step)
+template <int RP, int TT, bool Q4>
 inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
   const int64_t words = a.k / 16, steps = words / 4, kq = a.kp;
-  const auto* v0 = static_cast<const int8_t*>(a.values) + group * words * G * 8;
+  constexpr int kStepBytes = Q4 ? G * 16 : 4 * G * 8;  // a step's values for the group's rows
+  const auto* v0 = static_cast<const int8_t*>(a.values) + group * steps * kStepBytes;
   const uint16_t* b0 = a.bits + group * words * G;
   const auto* q = static_cast<const int8_t*>(a.x) + t0 * kq;
   const float* d = a.xscales + t0 * (kq / 8);
-  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
   const __m256i lut = load32(kA8.first_second), second = load32(kA8.second), base = load32(kA8.group_base);
+  // Q4: the group's scales, 8 rows a step's group (fp16), and how many steps share one
+  const uint16_t* ws0 = Q4 ? a.wscales + group * (a.k / a.wgroup) * G : nullptr;
+  const int64_t steps_per_scale = Q4 ? a.wgroup / 64 : 1;
+  alignas(32) float wsf[G];
   __m256 acc[RP][TT];
   for (int r = 0; r < RP; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
   const int8_t* v = v0;
   const uint16_t* b = b0;
-  for (int64_t s = 0; s < steps; ++s, v += 4 * G * 8, b += 4 * G) {
+  for (int64_t s = 0; s < steps; ++s, v += kStepBytes, b += 4 * G) {
     if (RP == G) {  // one pass over the group: its steps are read once, in order
-      for (int line = 0; line < 4 * G * 8; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(v) + a.prefetch_bytes + line);
-      __builtin_prefetch(reinterpret_cast<const char*>(b) + a.prefetch_bytes / 4);
+      for (int line = 0; line < kStepBytes; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(v) + a.prefetch_bytes + line);
+      __builtin_prefetch(reinterpret_cast<const char*>(b) + a.prefetch_bytes / (Q4 ? 2 : 4));
     }
+    if (Q4 && s % steps_per_scale == 0)
+      _mm256_store_ps(wsf, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws0 + s / steps_per_scale * G))));
     __m256i xa[TT], xb[TT];
     __m256 ds[TT];
     for (int t = 0; t < TT; ++t) {
@@ -140,9 +148,18 @@ inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
     const __m256i nib02[2] = {_mm256_unpacklo_epi8(lo0, hi0), _mm256_unpackhi_epi8(lo0, hi0)};
     const __m256i nib13[2] = {_mm256_unpacklo_epi8(lo1, hi1), _mm256_unpackhi_epi8(lo1, hi1)};
     for (int rp = r0; rp < r0 + RP; rp += 2) {
-      // rows rp, rp + 1 of words [0 | 2] and [1 | 3]; unpacked: a row's [w0 w1 | w2 w3]
-      const __m256i wa = load2(v + rp * 8, v + 2 * G * 8 + rp * 8), wb = load2(v + G * 8 + rp * 8, v + 3 * G * 8 + rp * 8);
-      const __m256i wr[2] = {_mm256_unpacklo_epi64(wa, wb), _mm256_unpackhi_epi64(wa, wb)};
+      // rows rp, rp + 1 as a row's [w0 w1 | w2 w3]: int8 values in two loads a pair of words and an unpack; 4-bit
+      // codes in one load, the first row's the low nibbles, the second's the high ones (offset by 8)
+      __m256i wr[2];
+      if constexpr (Q4) {
+        const __m256i pk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + rp * 16));
+        wr[0] = _mm256_sub_epi8(_mm256_and_si256(pk, low4), eight);
+        wr[1] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(pk, 4), low4), eight);
+      } else {
+        const __m256i wa = load2(v + rp * 8, v + 2 * G * 8 + rp * 8), wb = load2(v + G * 8 + rp * 8, v + 3 * G * 8 + rp * 8);
+        wr[0] = _mm256_unpacklo_epi64(wa, wb);
+        wr[1] = _mm256_unpackhi_epi64(wa, wb);
+      }
       for (int h = 0; h < 2; ++h) {
         const int r = rp + h;
         const __m256i nib = _mm256_xor_si256(_mm256_or_si256(_mm256_shuffle_epi8(nib02[r / 4], load32(kA8.sel[r][0])),
@@ -152,7 +169,8 @@ inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
         for (int t = 0; t < TT; ++t) {
           const __m256i xg = _mm256_blend_epi32(_mm256_shuffle_epi8(xa[t], ctl), _mm256_shuffle_epi8(xb[t], ctl), 0xCC);
           const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(xg), _mm256_sign_epi8(wr[h], xg)), ones);
-          acc[r - r0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds[t], acc[r - r0][t]);
+          const __m256 scale = Q4 ? _mm256_mul_ps(ds[t], _mm256_broadcast_ss(wsf + r)) : ds[t];
+          acc[r - r0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r - r0][t]);
         }
       }
     }
@@ -160,7 +178,7 @@ inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
   for (int r = 0; r < RP; ++r)
     for (int t = 0; t < TT; ++t)
       store(a, group * G + r0 + r, t0 + t,
-            hsum(acc[r][t]) + tail(a, v0, b0, r0 + r, q + t * kq, d + t * (kq / 8), false));
+            hsum(acc[r][t]) + (Q4 ? 0.0f : tail(a, v0, b0, r0 + r, q + t * kq, d + t * (kq / 8), false)));
 }
 
 // the same for a dense int8 weight (every position kept, no bits)
@@ -201,26 +219,31 @@ inline void dense_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
       store(a, group * G + r0 + r, t0 + t, hsum(acc[r][t]) + tail(a, v0, nullptr, r0 + r, q + t * kq, d + t * (kq / 8), true));
 }
 
+enum Kind { kSparse8, kDense8, kSparse4 };
+
 // tokens [t0, t1) of rows [r0, r0 + RP) of a group: TT at a time, then the remainder
-template <bool DENSE, int RP, int TT>
+template <Kind KIND, int RP, int TT>
 inline void tokens(const Nm24Args& a, int64_t group, int r0, int64_t t0, int64_t t1) {
   int64_t t = t0;
-  for (; t + TT <= t1; t += TT) DENSE ? dense_tile<RP, TT>(a, group, r0, t) : sparse_tile<RP, TT>(a, group, r0, t);
+  for (; t + TT <= t1; t += TT) {
+    if constexpr (KIND == kDense8) dense_tile<RP, TT>(a, group, r0, t);
+    else sparse_tile<RP, TT, KIND == kSparse4>(a, group, r0, t);
+  }
   if constexpr (TT > 1) {
-    if (t < t1) tokens<DENSE, RP, TT - 1>(a, group, r0, t, t1);
+    if (t < t1) tokens<KIND, RP, TT - 1>(a, group, r0, t, t1);
   }
 }
 
 // one token: a group's 8 rows in one pass over its steps (memory-bound: the weight streams once); more
 // tokens: two rows at a time for up to 4 tokens (the group's weights, 20 KB at K = 4096, stay in L1/L2
 // between the passes)
-template <bool DENSE>
+template <Kind KIND>
 void rows(const Nm24Args& a, int64_t r0, int64_t r1) {
   for (int64_t group = r0 / G; group * G < r1 && group * G < a.n; ++group) {
     if (a.tokens == 1) {
-      tokens<DENSE, G, 1>(a, group, 0, 0, 1);
+      tokens<KIND, G, 1>(a, group, 0, 0, 1);
     } else {
-      for (int r = 0; r < G; r += 2) tokens<DENSE, 2, 4>(a, group, r, 0, a.tokens);
+      for (int r = 0; r < G; r += 2) tokens<KIND, 2, 4>(a, group, r, 0, a.tokens);
     }
   }
 }
@@ -228,7 +251,9 @@ void rows(const Nm24Args& a, int64_t r0, int64_t r1) {
 }  // namespace
 
 void nm24_rows_a8_avx2(const Nm24Args& a, int64_t r0, int64_t r1) {
-  a.wdtype == NM24_I8_DENSE ? rows<true>(a, r0, r1) : rows<false>(a, r0, r1);
+  if (a.wdtype == NM24_I8_DENSE) rows<kDense8>(a, r0, r1);
+  else if (a.wdtype == NM24_I4) rows<kSparse4>(a, r0, r1);
+  else rows<kSparse8>(a, r0, r1);
 }
 
 void nm24_quantize_a8(const float* x, int64_t tokens, int64_t k, int64_t kp, int8_t* q, float* d, int64_t kq) {

@@ -14,8 +14,10 @@ constexpr int NM24_GROUP = 8;
 
 // NM24_I8: int8 values of a row scaled by scales[row] (fp32; applied once to the row's fp32 sum);
 // NM24_I8_DENSE: a dense int8 weight, scaled the same way, values [groups, K/16, NM24_GROUP, 16] (every
-// position of the word, no bits)
-enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2, NM24_I8 = 3, NM24_I8_DENSE = 4 };
+// position of the word, no bits); NM24_I4: 4-bit codes of the kept values with an fp16 scale per row and group of
+// wgroup positions (values [groups, K/64, NM24_GROUP/2, 32] uint8, two rows a byte; quantize4.py), the bits as
+// for the other 2:4 weights
+enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2, NM24_I8 = 3, NM24_I8_DENSE = 4, NM24_I4 = 5 };
 
 struct Nm24Args {
   const void* x;          // [tokens, kp] activations, fp32 (bf16 for the bf16-pair kernels)
@@ -33,6 +35,9 @@ struct Nm24Args {
   // the avx2_a8 route (cpu24_a8.cpp): x holds int8 activation codes [tokens, kp] (kp: k rounded up to 64,
   // arranged per 64 positions as words [0 | 2 | 1 | 3]) and xscales their block scales [tokens, kp / 8]
   const float* xscales = nullptr;
+  // NM24_I4: fp16 scales [groups, K / wgroup, NM24_GROUP] (as uint16 bits), wgroup 64 or 128 positions
+  const uint16_t* wscales = nullptr;
+  int64_t wgroup = 0;
 };
 
 using Nm24Rows = void (*)(const Nm24Args&, int64_t, int64_t);
@@ -46,7 +51,7 @@ void nm24_rows_avx512_bf16(const Nm24Args& a, int64_t r0, int64_t r1);
 // the AVX-512 kernels' exact algorithm on plain arrays: runs anywhere, tests the AVX-512 logic
 void nm24_rows_emulated512(const Nm24Args& a, int64_t r0, int64_t r1);
 void nm24_rows_emulated512_bf16(const Nm24Args& a, int64_t r0, int64_t r1);
-// int8 weights (NM24_I8, NM24_I8_DENSE) times int8 activations in blocks of 32 (AVX2; cpu24_a8.cpp), and
+// int8 and int4 weights (NM24_I8, NM24_I8_DENSE, NM24_I4) times int8 activations in blocks of 32 (AVX2; cpu24_a8.cpp), and
 // the activations' quantization: x fp32 [tokens, kp] (k used, zero padded to kp) -> q [tokens, kq] arranged
 // and d [tokens, kq / 8] (kq: k rounded up to 64)
 void nm24_rows_a8_avx2(const Nm24Args& a, int64_t r0, int64_t r1);

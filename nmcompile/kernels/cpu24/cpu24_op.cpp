@@ -11,6 +11,10 @@
 //   cpu24_dense_q8(x, values, scales, bias, out_features, max_tokens, isa): F.linear with a dense int8 weight,
 //     values [groups, K/16, NM24_GROUP, 16] (the CPU layout with every position kept), row r scaled by scales[r];
 //     calls above max_tokens take the dense GEMM on the weight dequantized for the call. No autograd.
+//   cpu24_linear_q4(x, values, bits, scales, bias, out_features, group, max_tokens, isa): the same with 4-bit codes
+//     of the kept values, an fp16 scale per row and group of `group` positions (64 or 128; NM24_I4 in
+//     cpu24_args.h, nmcompile/kernels/cpu24/quantize4.py), on isa "avx2_a8" only; calls above max_tokens take
+//     the dense GEMM on W dequantized into the input's dtype for the call. No autograd.
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
 //   cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us, route) -> (out, chunks per
@@ -162,6 +166,16 @@ struct Dequant {
   Out operator()(int8_t v, int64_t r) const { return static_cast<Out>(static_cast<float>(v) * scales[r]); }
 };
 
+// one word of a row: its 8 kept values (word[8] = 0) at their positions of out[0..16) (bits m)
+template <typename Raw, typename Out, typename Conv>
+inline void place_word(unsigned m, const Raw* word, Out* out, Conv conv, int64_t r) {
+  const uint8_t* low = kRank.index[m & 0xFF];
+  const uint8_t* high = kRank.index[m >> 8];
+  const int before = kRank.count[m & 0xFF];
+  for (int j = 0; j < 8; ++j) out[j] = conv(word[low[j]], r);
+  for (int j = 0; j < 8; ++j) out[8 + j] = conv(word[high[j] + before < 8 ? high[j] + before : 8], r);
+}
+
 template <typename Raw, typename Out = Raw, typename Conv = Same>
 void unpack_rows(const Raw* v, const uint16_t* b, Out* d, int64_t words, int64_t r0, int64_t r1, Conv conv = {}) {
   const int64_t k = words * 16;
@@ -170,16 +184,31 @@ void unpack_rows(const Raw* v, const uint16_t* b, Out* d, int64_t words, int64_t
     Out* row = d + r * k;
     for (int64_t w = 0; w < words; ++w) {
       const int64_t at = (group * words + w) * NM24_GROUP + within;
-      const unsigned m = b[at];
       Raw word[9];
       for (int j = 0; j < 8; ++j) word[j] = v[at * 8 + j];
       word[8] = 0;
-      const uint8_t* low = kRank.index[m & 0xFF];
-      const uint8_t* high = kRank.index[m >> 8];
-      const int before = kRank.count[m & 0xFF];
-      Out* out = row + w * 16;
-      for (int j = 0; j < 8; ++j) out[j] = conv(word[low[j]], r);
-      for (int j = 0; j < 8; ++j) out[8 + j] = conv(word[high[j] + before < 8 ? high[j] + before : 8], r);
+      place_word(b[at], word, row + w * 16, conv, r);
+    }
+  }
+}
+
+// the 4-bit layout (NM24_I4, cpu24_args.h) dequantized: code times its row's and group's fp16 scale
+template <typename Out>
+void unpack_rows4(const uint8_t* v, const uint16_t* b, const at::Half* scales, Out* d, int64_t words, int64_t wgroup,
+                  int64_t r0, int64_t r1) {
+  const int64_t k = words * 16, steps = words / 4, per_row = k / wgroup;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t group = r / NM24_GROUP, within = r % NM24_GROUP;
+    const int shift = within % 2 ? 4 : 0;  // the pair's second row: the high nibbles
+    for (int64_t w = 0; w < words; ++w) {
+      const int64_t s = w / 4, in_step = w % 4;
+      const uint8_t* codes = v + ((group * steps + s) * (NM24_GROUP / 2) + within / 2) * 32 + in_step / 2 * 16 + in_step % 2 * 8;
+      const float scale = static_cast<float>(scales[(group * per_row + s * 64 / wgroup) * NM24_GROUP + within]);
+      float word[9];
+      for (int j = 0; j < 8; ++j) word[j] = static_cast<float>(((codes[j] >> shift) & 0x0F) - 8) * scale;
+      word[8] = 0.0f;
+      place_word(b[(group * words + w) * NM24_GROUP + within], word, d + r * k + w * 16,
+                 [](float x, int64_t) { return static_cast<Out>(x); }, r);
     }
   }
 }
@@ -249,6 +278,31 @@ at::Tensor dequantized_for_gemm(const at::Tensor& values, const at::Tensor& bits
   return dense;
 }
 
+// the 4-bit layout dequantized into the kept buffer, in `dtype`: the dense route of cpu24_linear_q4
+at::Tensor dequantized4_for_gemm(const at::Tensor& values, const at::Tensor& bits, const at::Tensor& scales,
+                                 int64_t wgroup, int64_t n, at::ScalarType dtype) {
+  thread_local at::Tensor buffer;
+  const int64_t k = bits.size(1) * 16, bytes = n * k * at::elementSize(dtype);
+  if (!buffer.defined() || buffer.numel() < bytes) {
+    buffer = at::Tensor();
+    buffer = at::empty({bytes}, values.options().dtype(at::kByte));
+  }
+  auto dense = buffer.narrow(0, 0, bytes).view(dtype).view({n, k});
+  const int64_t words = bits.size(1);
+  const auto* v = values.data_ptr<uint8_t>();
+  const auto* b = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
+  const at::Half* s = scales.data_ptr<at::Half>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    if (dtype == at::kFloat)
+      unpack_rows4(v, b, s, dense.data_ptr<float>(), words, wgroup, r0, r1);
+    else if (dtype == at::kBFloat16)
+      unpack_rows4(v, b, s, dense.data_ptr<at::BFloat16>(), words, wgroup, r0, r1);
+    else
+      unpack_rows4(v, b, s, dense.data_ptr<at::Half>(), words, wgroup, r0, r1);
+  });
+  return dense;
+}
+
 // x [tokens, k] (bf16, contiguous) as fp32 [tokens, kp], zero padded; and the fp32 product back in
 // bf16 (round to nearest even, as Tensor.to). Plain loops, not Tensor.to and constant_pad_nd: at one
 // token those cost some 4 us a call in dispatch and allocation, more than converting a few thousand
@@ -279,8 +333,10 @@ at::Tensor narrowed(const at::Tensor& out) {
 // (bits undefined: a dense int8 weight, NM24_I8_DENSE)
 at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
                           const c10::optional<at::Tensor>& bias, int64_t n, c10::string_view isa_name,
-                          SplitProbe* probe, const float* scales = nullptr) {
-  const int64_t k = values.size(1) * 16;
+                          SplitProbe* probe, const float* scales = nullptr, const at::Tensor& wscales = {},
+                          int64_t wgroup = 0) {
+  const bool q4 = values.scalar_type() == at::kByte;  // NM24_I4: K from the bits (the values hold K/64 steps)
+  const int64_t k = (q4 ? bits.size(1) : values.size(1)) * 16;
   const int64_t tokens = k ? x.numel() / k : 0;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
@@ -289,9 +345,11 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
               std::string(isa_name), "' (cpu24_isa() = ", isa_flags(), ")");
   TORCH_CHECK(!isa.bf16_pairs || values.scalar_type() == at::kBFloat16,
               "nmsparse::cpu24_linear: isa '", std::string(isa_name), "' takes bf16 weights and inputs");
-  TORCH_CHECK(!isa.a8 || values.scalar_type() == at::kChar, "nmsparse::cpu24_linear: isa '", std::string(isa_name),
-              "' quantizes the activations for int8 weights (cpu24_linear_q8, cpu24_dense_q8); ", values.scalar_type(),
-              " weights take avx2, avx512 or avx512_bf16");
+  TORCH_CHECK(!isa.a8 || values.scalar_type() == at::kChar || q4, "nmsparse::cpu24_linear: isa '", std::string(isa_name),
+              "' quantizes the activations for int8 and 4-bit weights (cpu24_linear_q8, cpu24_dense_q8, cpu24_linear_q4); ",
+              values.scalar_type(), " weights take avx2, avx512 or avx512_bf16");
+  TORCH_CHECK(!q4 || isa.a8, "nmsparse::cpu24_linear_q4: 4-bit weights run on isa 'avx2_a8' only, got '",
+              std::string(isa_name), "'");
   if (tokens == 0) return at::zeros(out_shape, x.options());
   const int64_t kp = (k + 31) / 32 * 32;
   at::Tensor xs;
@@ -316,9 +374,14 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
   // a dense weight's kernel never reads bits: the pointer is the values' (in bounds, as each step's address is)
   const auto* bits_ptr = bits.defined() ? reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>())
                                         : static_cast<const uint16_t*>(values.data_ptr());
-  Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(), bits.defined() ? wdtype_of(values.scalar_type()) : NM24_I8_DENSE,
+  Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(),
+             q4 ? NM24_I4 : bits.defined() ? wdtype_of(values.scalar_type()) : NM24_I8_DENSE,
              bits_ptr, b32.defined() ? b32.data_ptr<float>() : nullptr,
              out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes(), scales};
+  if (q4) {
+    a.wscales = reinterpret_cast<const uint16_t*>(wscales.data_ptr<at::Half>());
+    a.wgroup = wgroup;
+  }
   at::Tensor codes, blocks;  // the avx2_a8 route's activations, int8 in blocks of 32
   if (isa.a8) {
     const int64_t kq = (k + 63) / 64 * 64;
@@ -401,6 +464,37 @@ at::Tensor cpu24_dense_q8(const at::Tensor& x, const at::Tensor& values, const a
   return sparse_product(x, values, at::Tensor(), bias, n, isa_name, nullptr, scales.data_ptr<float>());
 }
 
+at::Tensor cpu24_linear_q4(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+                           const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group,
+                           int64_t max_tokens, c10::string_view isa_name) {
+  const char* op = "nmsparse::cpu24_linear_q4";
+  TORCH_CHECK(bits.dim() == 3 && bits.size(2) == NM24_GROUP && bits.scalar_type() == at::kShort && bits.is_contiguous() &&
+                  bits.device().is_cpu(),
+              op, ": expected contiguous int16 CPU bits [groups, K/16, ", NM24_GROUP, "], got ", shape_str(bits), " ",
+              bits.scalar_type());
+  const int64_t groups = bits.size(0), k = bits.size(1) * 16;
+  TORCH_CHECK(group == 64 || group == 128, op, ": group is 64 or 128 positions, got ", group);
+  TORCH_CHECK(k % group == 0, op, ": in_features ", k, " is not a multiple of group ", group);
+  TORCH_CHECK(values.dim() == 4 && values.size(0) == groups && values.size(1) == k / 64 && values.size(2) == NM24_GROUP / 2 &&
+                  values.size(3) == 32 && values.scalar_type() == at::kByte && values.is_contiguous() && values.device().is_cpu(),
+              op, ": expected contiguous uint8 CPU values [", groups, ", ", k / 64, ", ", NM24_GROUP / 2, ", 32], got ",
+              shape_str(values), " ", values.scalar_type());
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == k / group && scales.size(2) == NM24_GROUP &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.device().is_cpu(),
+              op, ": expected contiguous fp16 CPU scales [", groups, ", ", k / group, ", ", NM24_GROUP, "], got ",
+              shape_str(scales), " ", scales.scalar_type());
+  TORCH_CHECK(n > (groups - 1) * NM24_GROUP && n <= groups * NM24_GROUP,
+              op, ": out_features ", n, " does not fit ", groups, " groups of ", NM24_GROUP, " rows");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": input ", shape_str(x), " does not match the weight's in_features ", k);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              " takes fp32, bf16 or fp16 inputs, got ", dtype);
+  const int64_t tokens = k ? x.numel() / k : 0;
+  if (max_tokens >= 0 && tokens > max_tokens)  // the measured range ends here: dense GEMM
+    return at::linear(x, dequantized4_for_gemm(values, bits, scales, group, n, dtype), bias);
+  return sparse_product(x, values, bits, bias, n, isa_name, nullptr, nullptr, scales, group);
+}
+
 // cpu24_linear's sparse product with thread `slow_thread` (0 the caller, 1.. the others) sleeping
 // slow_us before each chunk it claims, on `route` (-1 as a real call decides, 1 the OpenMP team, 2
 // the inter-op pool); returns the output, the chunks each thread computed, the route taken (0 one
@@ -425,6 +519,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> cpu24_split_probe(const at:
 TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
   m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_linear_q8(Tensor x, Tensor values, Tensor bits, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
+  m.def("cpu24_linear_q4(Tensor x, Tensor values, Tensor bits, Tensor scales, Tensor? bias, int out_features, int group, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_dense_q8(Tensor x, Tensor values, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
   m.def("cpu24_isa() -> int");
@@ -435,6 +530,7 @@ TORCH_LIBRARY_IMPL(nmsparse, CPU, m) {
   m.impl("cpu24_linear", cpu24_linear);
   m.impl("cpu24_linear_q8", cpu24_linear_q8);
   m.impl("cpu24_dense_q8", cpu24_dense_q8);
+  m.impl("cpu24_linear_q4", cpu24_linear_q4);
   m.impl("cpu24_unpack", cpu24_unpack);
   m.impl("cpu24_split_probe", cpu24_split_probe);
 }
