@@ -119,7 +119,7 @@ def test_float_weights_and_unknown_activations_are_refused_by_name():
     w = w * reference.topn_mask(w, 2, 4, -1)
     p = pack(w)
     values, bits = cpu24.cpu_layout(p.values, p.meta)
-    with pytest.raises(RuntimeError, match="quantizes the activations for int8 weights"):
+    with pytest.raises(RuntimeError, match="quantizes the activations for int8 and 4-bit weights"):
         torch.ops.nmsparse.cpu24_linear(torch.randn(1, 64), values, bits, None, None, 16, -1, A8)
     with pytest.raises(ValueError, match="'float' .* or 'int8'"):
         cpu24.int8_isa("fp8")

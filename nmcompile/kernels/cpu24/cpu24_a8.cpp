@@ -110,7 +110,8 @@ template <int RP, int TT, bool Q4>
 inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
   const int64_t words = a.k / 16, steps = words / 4, kq = a.kp;
   constexpr int kStepBytes = Q4 ? G * 16 : 4 * G * 8;  // a step's values for the group's rows
-  const auto* v0 = static_cast<const int8_t*>(a.values) + group * steps * kStepBytes;
+  // the group's values: int8 ones hold every word (K/16 may pass the last whole step), 4-bit ones whole steps
+  const auto* v0 = static_cast<const int8_t*>(a.values) + group * (Q4 ? steps * kStepBytes : words * G * 8);
   const uint16_t* b0 = a.bits + group * words * G;
   const auto* q = static_cast<const int8_t*>(a.x) + t0 * kq;
   const float* d = a.xscales + t0 * (kq / 8);
