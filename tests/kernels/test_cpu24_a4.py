@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import reference
 from nmcompile import pack
 from nmcompile.kernels import cpu24
-from nmcompile.kernels.cpu24.quantize4 import dequantize_layout4, quantize_layout4
+from nmcompile.kernels.cpu24.quantize import dequantize_layout4, quantize_layout4
 
 pytestmark = pytest.mark.skipif("avx2" not in cpu24.isas(), reason="the 4-bit route needs AVX2")
 

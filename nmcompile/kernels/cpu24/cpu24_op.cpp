@@ -13,7 +13,7 @@
 //     calls above max_tokens take the dense GEMM on the weight dequantized for the call. No autograd.
 //   cpu24_linear_q4(x, values, bits, scales, bias, out_features, group, max_tokens, isa): the same with 4-bit codes
 //     of the kept values, an fp16 scale per row and group of `group` positions (64 or 128; NM24_I4 in
-//     cpu24_args.h, nmcompile/kernels/cpu24/quantize4.py), on isa "avx2_a8" only; calls above max_tokens take
+//     cpu24_args.h, nmcompile/kernels/cpu24/quantize.py), on isa "avx2_a8" only; calls above max_tokens take
 //     the dense GEMM on W dequantized into the input's dtype for the call. No autograd.
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
