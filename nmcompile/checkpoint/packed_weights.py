@@ -28,7 +28,7 @@ from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
 from ..kernels.format24 import (DAMAGED_HINT, META_SUFFIX, Packed24, packed_record, lost_metadata, pack, packed_dims,
                                unpack)
-from ..kernels.cpu24.quantize import quantize_dense, quantize_layout
+from ..kernels.cpu24.quantize import GROUP_SIZES, quantize_dense
 from ..kernels.cpu24.weight import RANGE_ATTR, PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -98,24 +98,11 @@ def is_trainable(param: torch.Tensor) -> bool:
 
 
 #: what ``pack_weights(bits=...)`` takes: None keeps the weight's own dtype for the kept values
-BITS = (None, 8)
+BITS = (None, 8, 4)
 #: the reason of a weight packed with int8 values; its token range is the float kernel's on its shape
 INT8_REASON = "packed only, int8 values (token range: the float kernel's on this shape)"
-
-
-def _quantized(weight: PackedLinearWeight, grid: torch.Tensor | None, isa: str) -> tuple[PackedLinearWeight, str]:
-    """``weight`` (float values) with its kept values as int8 codes and per-row scales (:mod:`~nmcompile.kernels.
-    cpu24.quantize`), computing in its dtype, and how: on ``grid`` (the scales a one-shot solve recorded) where
-    the values still lie on it, else rounded to nearest."""
-    found = None if grid is None or grid.dim() != 1 else quantize_layout(weight.values, weight.weight_shape[0], grid)
-    how = "the one-shot solve's int8 grid"
-    if found is None:
-        how = "rounded to nearest" if grid is None else \
-            "rounded to nearest (its values left the one-shot solve's int8 grid since it was solved)"
-        found = quantize_layout(weight.values, weight.weight_shape[0])
-    codes, scales = found
-    return PackedLinearWeight(codes, weight.bits, weight.weight_shape, weight.max_tokens, isa, weight.transposed,
-                              scales, weight.dtype), how
+#: the same for 4-bit values
+INT4_REASON = "packed only, 4-bit values (token range: the float kernel's on this shape)"
 
 
 def _head_of(model: nn.Module, head: str | None) -> tuple[str, nn.Linear] | None:
@@ -167,8 +154,8 @@ def _pack_head(model: nn.Module, name: str, module: nn.Linear, isa: str) -> Deci
     return decision
 
 
-def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = None,
-                 head: str | None = "auto", activations: str = "float") -> dict[str, Decision]:
+def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = None, group: int = 64,
+                 head: str | None = "auto", activations: str | None = None) -> dict[str, Decision]:
     """Hold every finalized 2:4 linear weight of ``model`` packed only; ``{name: decision}`` of each.
 
     A weight is packed when its record (from :func:`nmcompile.finalize`) says 2:4 along its
@@ -193,24 +180,57 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
     ``bits=None`` on a model a one-shot recipe with ``bits=8`` was solved for (``sparsegpt:2:4,bits=8``) means 8:
     those layers are held on the grid the solve recorded, with no second rounding.
 
-    ``activations``: what the int8 weights' products take their activations as. ``"float"``: the layer's dtype,
-    widened to fp32. ``"int8"``: each call quantizes its activations in blocks of 32 positions (a block's scale
-    its largest magnitude / 127, round to nearest) and multiplies integers, the sums exact within a block
-    (:data:`~nmcompile.kernels.cpu24.A8_ISA`, AVX2): on one token 2-2.5x the float route's speed, at the
-    activations' rounding (a relative error of about 0.5% of a layer's output; the quality study measures it on
-    models). It applies to every int8 weight of the model, the head's too, and ``pack_weights(model,
-    activations=...)`` switches a packed model either way; a NaN or infinite activation makes its token's outputs
-    of the layer NaN.
+    ``bits=4``: the kept values as 4-bit codes with an fp16 scale per row and ``group`` positions (64 or 128;
+    round to nearest: 3.25 bits a weight at 64 with the positions), on the int8-activation route only (below;
+    AVX2); a layer whose in_features is not a multiple of ``group`` keeps float values, its decision says so. The
+    head becomes dense int8 rows as with ``bits=8``. Weights that hold int8 values already are refused
+    (:func:`unpack_weights` first: a second rounding from the int8 grid is not the 4-bit grid of the weight).
+
+    ``activations``: what the quantized weights' products take their activations as. ``"float"`` (the default
+    for ``bits=8``): the layer's dtype, widened to fp32. ``"int8"`` (the only route of ``bits=4``): each call
+    quantizes its activations in blocks of 32 positions (a block's scale its largest magnitude / 127, round to
+    nearest) and multiplies integers, the sums exact within a block (:data:`~nmcompile.kernels.cpu24.A8_ISA`,
+    AVX2): on one token 2-2.5x the float route's speed, at the activations' rounding (a relative error of about
+    0.5% of a layer's output; the quality study measures it on models). It applies to every int8 weight of the
+    model, the head's too, and ``pack_weights(model, activations=...)`` switches a packed model's int8 weights
+    either way; a NaN or infinite activation makes its token's outputs of the layer NaN.
     """
-    isa8 = cpu24.int8_isa(activations)
     if bits not in BITS:
         raise ValueError(f"nmcompile.deploy.pack_weights: bits={bits!r} is not supported; bits=8 holds the kept values "
-                         "as int8 with a scale per row, bits=None (the default) in the weight's own dtype")
+                         "as int8 with a scale per row, bits=4 as 4-bit codes with a scale per row and group of "
+                         "positions, bits=None (the default) in the weight's own dtype")
+    if bits == 4 and activations not in (None, "int8"):
+        raise ValueError(f"nmcompile.deploy.pack_weights: bits=4 runs with int8 activations only, got "
+                         f"activations={activations!r}; leave activations unset (or 'int8'), or take bits=8 for float "
+                         "activations")
+    if bits == 4 and group not in GROUP_SIZES:
+        raise ValueError(f"nmcompile.deploy.pack_weights: group={group!r} is not supported; a 4-bit scale covers "
+                         f"{' or '.join(map(str, GROUP_SIZES))} positions of a row")
+    holds4 = any(isinstance(p, PackedLinearWeight) and p.int4 for p in model.parameters())
+    if activations == "float" and holds4:
+        raise ValueError("nmcompile.deploy.pack_weights: activations='float': this model holds 4-bit values, which "
+                         "run with int8 activations only; nmcompile.deploy.unpack_weights(model) and pack_weights("
+                         "model, bits=8) for float activations")
+    isa8 = cpu24.int8_isa(activations or ("int8" if bits == 4 or holds4 else "float"))
     state = cpu24.status()
     if bits is None and any(records.get(p[0][1], records.INT8, p[0][2]) is not None for _, p in owners(model)):
         bits = 8  # a one-shot solve with bits=8 put weights on int8 grids: they are served as int8
-    rule_reason = INT8_REASON if bits == 8 else "packed only"
+    rule_reason = {8: INT8_REASON, 4: INT4_REASON}.get(bits, "packed only")
     out: dict[str, Decision] = {}
+
+    def hold(module, pname, tensor, reason, trainable, places, name):
+        """``tensor`` as the layer's weight, its range decided (``reason``: the decision's, else from ``bits``);
+        quantized first where ``bits`` asks."""
+        reason = reason or rule_reason
+        if bits == 4 and tensor.weight_shape[1] % group:
+            reason = f"packed only, float values: in_features {tensor.weight_shape[1]} is not a multiple of group={group}"
+        elif bits in (8, 4) and not tensor.quantized:
+            tensor, how = tensor.to_codes(bits, isa8, records.get(module, records.INT8, pname), group)
+            reason = f"{rule_reason}; {how}"
+        decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure, reason).decide(tensor)
+        set_packed(module, pname, tensor, decision, trainable, places)
+        out[name] = decision
+
     for name, places in owners(model):
         _, module, pname = places[0]
         param = module._parameters[pname]
@@ -218,22 +238,18 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         if record is None:
             continue
         if isinstance(param, PackedLinearWeight):
-            if param.quantized and not param.dense_rows and param.isa != isa8:  # the other activations' route
-                tensor = param._with(isa=isa8)
-                reason = getattr(param, DECISION_ATTR, Decision("cpu24", INT8_REASON)).reason
-                decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure,
-                                     reason).decide(tensor)
-                set_packed(module, pname, tensor, decision, is_trainable(param), places)
-                out[name] = decision
-                continue
-            if bits == 8 and not param.quantized:
-                tensor, how = _quantized(param, records.get(module, records.INT8, pname), isa8)
-                decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure,
-                                     f"{rule_reason}; {how}").decide(tensor)
-                set_packed(module, pname, tensor, decision, is_trainable(param), places)
-                out[name] = decision
-                continue
-            out[name] = getattr(param, DECISION_ATTR, Decision("cpu24", "packed"))
+            held = f"4-bit values in groups of {param.group}" if param.int4 else "int8 values" if param.quantized else ""
+            if held and bits in (8, 4) and held != ("int8 values" if bits == 8 else f"4-bit values in groups of {group}"):
+                raise ValueError(f"nmcompile.deploy.pack_weights: {name} holds {held}; bits={bits} rounds float values "
+                                 "(a second rounding from another grid is not the weight's own): call "
+                                 "nmcompile.deploy.unpack_weights(model) first, or pack with what it holds")
+            if param.quantized and not param.dense_rows and not param.int4 and param.isa != isa8:
+                reason = getattr(param, DECISION_ATTR, Decision("cpu24", INT8_REASON)).reason  # the other route
+                hold(module, pname, param._with(isa=isa8), reason, is_trainable(param), places, name)
+            elif bits in (8, 4) and not param.quantized:
+                hold(module, pname, param, "", is_trainable(param), places, name)
+            else:
+                out[name] = getattr(param, DECISION_ATTR, Decision("cpu24", "packed"))
             continue
         why = None
         if record.pattern != NMPattern(2, 4):
@@ -254,16 +270,10 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         packed = pack(weight)
         values, kept_bits = cpu24.cpu_layout(packed.values, packed.meta)
         tensor = PackedLinearWeight(values, kept_bits, tuple(weight.shape), -1, cpu24.best_isa(weight.dtype), transposed)
-        reason = rule_reason
-        if bits == 8:
-            tensor, how = _quantized(tensor, records.get(module, records.INT8, pname), isa8)
-            reason = f"{rule_reason}; {how}"
-        decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure, reason).decide(tensor)
-        set_packed(module, pname, tensor, decision, param.requires_grad, places)
-        out[name] = decision
-    int8 = bits == 8 or any(isinstance(p, PackedLinearWeight) and p.quantized for p in model.parameters())
+        hold(module, pname, tensor, "", param.requires_grad, places, name)
+    int8 = bits in (8, 4) or any(isinstance(p, PackedLinearWeight) and p.quantized for p in model.parameters())
     found = _head_of(model, head) if int8 else None
-    if found is not None and out and (bits == 8 or isinstance(found[1].weight, PackedLinearWeight)):
+    if found is not None and out and (bits in (8, 4) or isinstance(found[1].weight, PackedLinearWeight)):
         out[f"{found[0]}.weight"] = _pack_head(model, *found, isa8)
     if activations == "int8" and not int8:
         raise ValueError("nmcompile.deploy.pack_weights: activations='int8' is the route of int8 weights, and "
@@ -281,7 +291,8 @@ def unpack_weights(model: nn.Module) -> list[str]:
     trainable as the weight it replaced was (``requires_grad``: a model's own weights, a loaded
     checkpoint's too, are; one frozen before :func:`pack_weights` stays frozen). A 2:4 weight with int8
     values becomes its dequantized weight (code times scale), its grid recorded: ``save_pretrained`` writes
-    its codes, and ``pack_weights`` holds it on the same grid again."""
+    its codes, and ``pack_weights`` holds it on the same grid again. One with 4-bit values becomes its
+    dequantized weight (no grid recorded: ``pack_weights(bits=4)`` rounds it again)."""
     done = []
     for name, places in owners(model):
         param = places[0][1]._parameters[places[0][2]]
@@ -289,7 +300,7 @@ def unpack_weights(model: nn.Module) -> list[str]:
             dense = nn.Parameter(param.dense().contiguous(), requires_grad=getattr(param, TRAINABLE_ATTR, True))
             for _, holder, attr in places:
                 holder._parameters[attr] = dense
-                if param.quantized and not param.dense_rows:  # its grid, for a save or a later pack_weights
+                if param.quantized and not param.dense_rows and not param.int4:  # its grid, for a save or pack_weights
                     records.put(holder, records.INT8, attr, param.scales.clone())
             done.append(name)
     return done

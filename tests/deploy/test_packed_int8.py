@@ -75,8 +75,8 @@ def test_bits_none_never_dequantizes_and_other_bits_are_refused():
     held = model[0].weight
     pack_weights(model, measure=False)
     assert model[0].weight is held and held.quantized
-    with pytest.raises(ValueError, match=r"bits=4 is not supported; bits=8 holds the kept values as int8"):
-        pack_weights(finalized(), bits=4)
+    with pytest.raises(ValueError, match=r"bits=16 is not supported; bits=8 holds the kept values as int8"):
+        pack_weights(finalized(), bits=16)
 
 
 def test_compiled_and_inference_mode_match_eager():

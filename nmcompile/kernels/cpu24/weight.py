@@ -54,11 +54,13 @@ class PackedLinearWeight(Tensor):
                 scales: Tensor | None = None, dtype: torch.dtype | None = None):
         out_f, in_f = shape
         outer = (in_f, out_f) if transposed else (out_f, in_f)
-        if (scales is None) != (values.dtype != torch.int8) or (scales is not None and dtype not in cpu24.DTYPES) \
-                or (bits is None and scales is None):
-            raise ValueError(f"PackedLinearWeight: int8 values need fp32 scales and the activation dtype (one of "
-                             f"{cpu24.DTYPES}), float values neither (and need position bits); got {values.dtype} "
-                             f"values, scales {None if scales is None else scales.dtype}, dtype {dtype}")
+        if (scales is None) != (values.dtype not in (torch.int8, torch.uint8)) \
+                or (scales is not None and dtype not in cpu24.DTYPES) or (bits is None and scales is None) \
+                or (values.dtype == torch.uint8 and (bits is None or scales.dtype != torch.float16)):
+            raise ValueError(f"PackedLinearWeight: int8 values need fp32 scales and 4-bit ones (uint8) fp16 group "
+                             f"scales, both the activation dtype (one of {cpu24.DTYPES}); float values neither (and "
+                             f"need position bits); got {values.dtype} values, scales "
+                             f"{None if scales is None else scales.dtype}, dtype {dtype}")
         dtype = values.dtype if scales is None else dtype
         return Tensor._make_wrapper_subclass(cls, outer, dtype=dtype, device=values.device, requires_grad=False)
 
@@ -76,9 +78,20 @@ class PackedLinearWeight(Tensor):
 
     @property
     def quantized(self) -> bool:
-        """Whether the kept values are int8 codes with per-row fp32 ``scales`` (:mod:`.quantize`); the
-        tensor's dtype is then the activation dtype it computes in."""
+        """Whether the kept values are codes with ``scales`` (int8 with one fp32 scale a row, or 4-bit: :attr:`int4`;
+        :mod:`.quantize`); the tensor's dtype is then the activation dtype it computes in."""
         return self.scales is not None
+
+    @property
+    def int4(self) -> bool:
+        """Whether the kept values are 4-bit codes with an fp16 scale per row and :attr:`group` of positions
+        (:func:`~nmcompile.kernels.cpu24.quantize.quantize_layout4`), computed on the ``avx2_a8`` route."""
+        return self.values.dtype == torch.uint8
+
+    @property
+    def group(self) -> int:
+        """The positions one scale of a 4-bit weight covers (0 for other weights)."""
+        return self.weight_shape[1] // self.scales.shape[1] if self.int4 else 0
 
     @classmethod
     def from_packed(cls, values: Tensor, meta: Tensor, max_tokens: int = -1, isa: str = "") -> "PackedLinearWeight":
@@ -86,8 +99,28 @@ class PackedLinearWeight(Tensor):
         v, b = cpu24.cpu_layout(values, meta)
         return cls(v, b, (values.shape[0], values.shape[1] * 2), max_tokens, isa or cpu24.best_isa(values.dtype) or "")
 
+    def to_codes(self, bits: int, isa: str, grid: Tensor | None = None, group: int = 64) -> tuple["PackedLinearWeight", str]:
+        """``(weight, how)``: this weight (float values) with its kept values as codes, computing in its dtype on
+        ``isa``. ``bits=8``: int8 with a scale per row, on ``grid`` (the scales a one-shot solve recorded) where
+        the values still lie on it, else rounded to nearest; ``bits=4``: 4-bit with an fp16 scale per row and
+        ``group`` positions, rounded to nearest (:mod:`.quantize`)."""
+        n = self.weight_shape[0]
+        if bits == 4:
+            codes, scales = quantize.quantize_layout4(self.values, n, group)
+            return self._with(values=codes, scales=scales, isa=isa, dtype=self.dtype), \
+                f"rounded to nearest, 4-bit in groups of {group}"
+        found = None if grid is None or grid.dim() != 1 else quantize.quantize_layout(self.values, n, grid)
+        how = "the one-shot solve's int8 grid"
+        if found is None:
+            how = "rounded to nearest" if grid is None else \
+                "rounded to nearest (its values left the one-shot solve's int8 grid since it was solved)"
+            found = quantize.quantize_layout(self.values, n)
+        codes, scales = found
+        return self._with(values=codes, scales=scales, isa=isa, dtype=self.dtype), how
+
     def __repr__(self) -> str:
-        t = (", transposed" if self.transposed else "") + (", values=int8" if self.quantized else "") \
+        values = f", values=int4, group={self.group}" if self.int4 else ", values=int8" if self.quantized else ""
+        t = (", transposed" if self.transposed else "") + values \
             + (", dense rows" if self.dense_rows else "")
         return (f"PackedLinearWeight(shape={list(self.weight_shape)}, dtype={self.dtype}, "
                 f"max_tokens={self.max_tokens}, isa={self.isa!r}{t})")
@@ -102,7 +135,7 @@ class PackedLinearWeight(Tensor):
         return PackedLinearWeight(inner["values"], inner.get("bits"), *fields, scales=inner.get("scales"), dtype=dtype)
 
     def _stable_hash_for_caching(self) -> str:  # AOTAutograd's cache: the metadata, not the values
-        q = (" int8" if self.quantized else "") + (" dense" if self.dense_rows else "")
+        q = (" int4" if self.int4 else " int8" if self.quantized else "") + (" dense" if self.dense_rows else "")
         return f"PackedLinearWeight {self.weight_shape} {self.dtype} {self.max_tokens} {self.isa} {self.transposed}{q}"
 
     def __deepcopy__(self, memo):  # PyTorch's own clones wrapper subclasses, and a clone here is dense
@@ -152,9 +185,9 @@ class PackedLinearWeight(Tensor):
         """``(values, meta)`` in :func:`nmcompile.pack`'s format, for checkpoints."""
         if self.quantized:
             raise NotImplementedError(
-                f"a packed 2:4 weight {list(self.weight_shape)} with int8 values: the packed state dict holds "
-                "float values only, and writing the codes without their scales would lose the weight; call "
-                "nmcompile.deploy.unpack_weights(model) (it records each int8 grid) and "
+                f"a packed 2:4 weight {list(self.weight_shape)} with {'4-bit' if self.int4 else 'int8'} values: the "
+                "packed state dict holds float values only, and writing the codes without their scales would lose "
+                "the weight; call nmcompile.deploy.unpack_weights(model) (it records each int8 grid) and "
                 "nmcompile.deploy.save_pretrained(model, DIR), which writes the codes and scales beside the "
                 "dequantized weights"
             )
@@ -162,8 +195,13 @@ class PackedLinearWeight(Tensor):
 
     def dense(self) -> Tensor:
         """The dense weight (a new tensor; the transpose where this is the transposed view); int8 values
-        dequantized (code times its row's scale, in fp32, then the tensor's dtype)."""
+        dequantized (code times its row's scale, in fp32, then the tensor's dtype), 4-bit ones the same with
+        their group's scale."""
         _require_kernel()
+        if self.int4:
+            layout = quantize.dequantize_layout4(self.values, self.scales, self.group)
+            w = torch.ops.nmsparse.cpu24_unpack(layout, self.bits, self.weight_shape[0]).to(self.dtype)
+            return w.t() if self.transposed else w
         if self.dense_rows:
             w = quantize.dense_rows(self.values, self.weight_shape[0])
         else:
@@ -179,7 +217,8 @@ class PackedLinearWeight(Tensor):
             out = PackedLinearWeight(
                 self.values if values is None else values, self.bits if bits is None else bits, self.weight_shape,
                 self.max_tokens, self.isa if isa is None else isa, self.transposed if transposed is None else transposed,
-                self.scales if scales is None else scales, (dtype or self.dtype) if self.quantized else None,
+                self.scales if scales is None else scales,
+                (dtype or self.dtype) if self.quantized or scales is not None else None,
             )
         # its records (kernel decision, trainable), which Module._apply (.to, share_memory) would lose
         # when it wraps the result in a new Parameter; not the parameter flag itself
@@ -216,6 +255,10 @@ class PackedLinearWeight(Tensor):
         if self.dense_rows:
             return torch.ops.nmsparse.cpu24_dense_q8(
                 x, self.values, self.scales, bias, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
+            )
+        if self.int4:
+            return torch.ops.nmsparse.cpu24_linear_q4(
+                x, self.values, self.bits, self.scales, bias, self.weight_shape[0], self.group, self.max_tokens, self.isa
             )
         if self.quantized:
             return torch.ops.nmsparse.cpu24_linear_q8(
