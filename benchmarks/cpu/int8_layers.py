@@ -1,8 +1,9 @@
 """2:4 with int8 values against what a CPU user runs instead, per layer: dense bf16 and fp32 ``F.linear``,
 PyTorch's weight-only int8 (``aten._weight_int8pack_mm``, per-channel scales) and int4
 (``aten._weight_int4pack_mm_for_cpu``, group 128), nmcompile's 2:4 bf16 packed, and 2:4+int8
-(``nmsparse::cpu24_linear_q8``), bf16 activations; and 2:4+int8 with the activations quantized to int8 in blocks
-of 32 (``isa="avx2_a8"``, integer products).
+(``nmsparse::cpu24_linear_q8``), bf16 activations; 2:4+int8 with the activations quantized to int8 in blocks
+of 32 (``isa="avx2_a8"``, integer products); and 2:4+int4 on that route (``nmsparse::cpu24_linear_q4``, an fp16
+scale per row and group of 64 or 128 positions).
 
 Each variant runs ``--layers`` distinct Linear(4096, 4096) weights in turn (one pass = one call per layer),
 for each token count and thread count; every variant is timed in the same rotated rounds (medians), so a
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from nmcompile import pack
 from nmcompile.kernels import cpu24
-from nmcompile.kernels.cpu24.quantize import quantize_layout
+from nmcompile.kernels.cpu24.quantize import quantize_layout, quantize_layout4
 from nmcompile.masks.topn import prune
 
 if __package__ in (None, ""):  # run as a file: the repository root, after the installed packages
@@ -42,6 +43,8 @@ TORCH_Q = ("torch int8 weight-only", "torch int4 weight-only g128")
 #: the same 2:4+int8 weight on the route that quantizes the activations to int8 (blocks of 32) and multiplies
 #: integers (``isa="avx2_a8"``)
 A8 = "2:4+int8, int8 activations"
+#: 2:4 with 4-bit values on that route, by group size (positions a scale covers)
+INT4 = {"2:4+int4 g64": 64, "2:4+int4 g128": 128}
 
 
 def weights(out_f: int, in_f: int, seed: int) -> dict:
@@ -65,6 +68,10 @@ def weights(out_f: int, in_f: int, seed: int) -> dict:
               "2:4 bf16": values.nbytes + bits.nbytes, "2:4+int8": codes.nbytes + bits.nbytes + scales.nbytes}
     if A8 in layer:
         nbytes[A8] = nbytes["2:4+int8"]
+        for name, group in INT4.items():
+            codes4, index4, scales4 = quantize_layout4(values, bits, out_f, group)
+            layer[name] = (codes4, index4, scales4, group)
+            nbytes[name] = codes4.nbytes + index4.nbytes + scales4.nbytes
     try:  # int4: group-wise, bf16 scale and zero per group of 128, in the layout the CPU kernel takes
         group = 128
         grouped = w.reshape(out_f, in_f // group, group)
@@ -90,6 +97,8 @@ def call(name: str, x: torch.Tensor, w: tuple, out_f: int, isa: str):
         return torch.ops.aten._weight_int8pack_mm(x, w[0], w[1])
     if name == "torch int4 weight-only g128":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], w[1], w[2])
+    if name in INT4:
+        return torch.ops.nmsparse.cpu24_linear_q4(x, w[0], w[1], w[2], None, out_f, w[3], -1, cpu24.A8_ISA)
     if name == "2:4 bf16":
         return torch.ops.nmsparse.cpu24_linear(x, w[0], w[1], None, None, out_f, -1, isa)
     return torch.ops.nmsparse.cpu24_linear_q8(x, w[0], w[1], w[2], None, out_f, -1, "avx2_a8" if name == A8 else isa)
@@ -141,10 +150,13 @@ def main(argv=None) -> dict:
                 row = {"threads": threads, "tokens": tokens, "variant": name, "ms": round(ms[name], 3),
                        "weight_GBps": round(nbytes[name] / ms[name] / 1e6, 2),
                        "vs_best_dense": round(best_dense / ms[name], 3), "vs_best_torch_quantized": round(best_q / ms[name], 3)}
+                if name in INT4:
+                    row["vs_2:4+int8_int8_activations"] = round(ms[A8] / ms[name], 3)
                 rows.append(row)
+                vs_a8 = f"  {row['vs_2:4+int8_int8_activations']:5.2f}x 2:4+int8 a8" if name in INT4 else ""
                 print(f"{threads}t {tokens:4d} tok  {name:28s} {ms[name]:8.3f} ms  {row['weight_GBps']:6.2f} GB/s  "
-                      f"{row['vs_best_dense']:5.2f}x best dense  {row['vs_best_torch_quantized']:5.2f}x best torch quantized",
-                      flush=True)
+                      f"{row['vs_best_dense']:5.2f}x best dense  {row['vs_best_torch_quantized']:5.2f}x best torch quantized"
+                      f"{vs_a8}", flush=True)
     result = {"machine": machine(), "layers": args.layers, "size": args.size, "rounds": args.rounds, "isa": isa,
               "relative_error": errors,
               "bytes_per_pass": nbytes, "rows": rows}

@@ -12,7 +12,13 @@ A Llama-shaped Hugging Face directory (``--model``, default ``/work/models/llama
 - ``2:4+int8``: the same model after ``nmcompile.deploy.pack_weights(model, bits=8)``: int8 codes with a scale
   per row, the output head (and the embedding tied to it) dense int8 rows; compiled with ``nmsparse``;
 - ``2:4+int8 a8``: that model with ``pack_weights(model, activations="int8")``: the same codes, each call's
-  activations quantized to int8 in blocks of 32 and multiplied as integers.
+  activations quantized to int8 in blocks of 32 and multiplied as integers;
+- ``2:4+int4``: the 2:4 model after ``pack_weights(model, bits=4)`` (``--group`` 64: 4-bit codes with an fp16
+  scale per row and 64 positions, on the int8-activation route; the head dense int8 rows);
+- ``torch int4``: every decoder linear and the head as PyTorch's weight-only int4
+  (``aten._weight_int4pack_mm_for_cpu``, a bf16 scale and zero per group of 128), torchao's CPU int4 kernel.
+
+``--variants`` picks some of them (``--variants "2:4+int4" "torch int4" "dense bf16"``).
 
 Each variant at 1 and 2 threads: greedy ``generate`` of ``--new-tokens`` (64) after a ``--prompt``-token (128)
 random prompt, ``--runs`` rounds round-robin (medians of the decode step), prefill time and the weight bytes a
@@ -45,6 +51,8 @@ from benchmarks.toolbox import bandwidth, machine, resident_mb  # noqa: E402
 
 #: 2:4+int8 with ``activations="int8"``: each call's activations quantized in blocks of 32, integer products
 A8 = "2:4+int8 a8"
+#: 2:4 with 4-bit values (``pack_weights(bits=4)``), on that route
+INT4 = "2:4+int4"
 
 
 class TorchInt8Linear(nn.Module):
@@ -65,19 +73,46 @@ class TorchInt8Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def torch_int8(model: nn.Module) -> nn.Module:
-    """Every decoder linear and the output head replaced by :class:`TorchInt8Linear` (a benchmark's own copy)."""
+class TorchInt4Linear(nn.Module):
+    """A linear layer on ``aten._weight_int4pack_mm_for_cpu``: 4-bit codes, a bf16 scale and zero per row and
+    group of 128 inputs (asymmetric: the group's range in 15 steps)."""
+
+    def __init__(self, linear: nn.Linear, group: int = 128):
+        super().__init__()
+        w = linear.weight.detach().float()
+        out_f, in_f = w.shape
+        grouped = w.reshape(out_f, in_f // group, group)
+        lo, hi = grouped.amin(-1), grouped.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        q = torch.round((grouped - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+        self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # [in / group, out, 2]: w = (q - 8) * scale + zero, zero = lo + 8 * scale
+        self.register_buffer("scales_zeros", torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous()
+                             .to(linear.weight.dtype))
+        self.group, self.bias, self.out_features = group, linear.bias, out_f
+
+    def forward(self, x):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.weight_int4, self.group,
+                                                       self.scales_zeros)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+def torch_quantized(model: nn.Module, kind=TorchInt8Linear) -> nn.Module:
+    """Every decoder linear and the output head replaced by ``kind`` (a benchmark's own copy)."""
     for name, linear in [*decoder_linears(model), ("lm_head", model.lm_head)]:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, TorchInt8Linear(linear))
+        setattr(model.get_submodule(parent) if parent else model, attr, kind(linear))
     release()
     return model
 
 
-def int8_bytes(model: nn.Module) -> dict:
-    """:func:`weight_bytes` with the int8 buffers of :class:`TorchInt8Linear` counted as weights."""
+def quantized_bytes(model: nn.Module) -> dict:
+    """:func:`weight_bytes` with the buffers of :class:`TorchInt8Linear` and :class:`TorchInt4Linear` counted as
+    weights."""
     counts = weight_bytes(model)
-    extra = sum(b.nbytes for m in model.modules() if isinstance(m, TorchInt8Linear) for b in m.buffers())
+    extra = sum(b.nbytes for m in model.modules() if isinstance(m, (TorchInt8Linear, TorchInt4Linear))
+                for b in m.buffers())
     return {"resident": counts["resident"] + extra, "per_token": counts["per_token"] + extra}
 
 
@@ -92,6 +127,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-fp32", action="store_true", help="leave dense fp32 out (its decode is the slowest)")
     ap.add_argument("--estimate", action="store_true", help="also `nmcompile tune`'s estimate of a token's cost in "
                     "each format, timed after the decodes in this process, against the measured decode (target: 15%%)")
+    ap.add_argument("--group", type=int, default=64, help="positions a 4-bit scale covers (64 or 128)")
+    ap.add_argument("--variants", nargs="+", help="the variants to run (default: all)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import nmcompile.deploy
@@ -115,26 +152,41 @@ def main(argv=None) -> dict:
                     forward = torch.compile(eager, options={"cpp.threads": t})
                 variants.append(Variant(kind, mode, t, model, forward))
 
-    sparse, build = load_24(path, torch.bfloat16)
-    result["build_24"] = build
-    result["bytes"]["2:4 bf16"] = weight_bytes(sparse)
-    add("2:4 bf16", sparse, ["compiled"], "nmsparse")
-    sparse8, _ = load_24(path, torch.bfloat16)
-    decisions = nmcompile.deploy.pack_weights(sparse8, bits=8)
-    result["pack_int8"] = {"layers": len(decisions), "head": str(decisions.get("lm_head.weight", "kept"))}
-    result["bytes"]["2:4+int8"] = weight_bytes(sparse8)
-    add("2:4+int8", sparse8, ["compiled"], "nmsparse")
-    sparse8a = copy.deepcopy(sparse8)  # the same codes, on the route that quantizes the activations
-    nmcompile.deploy.pack_weights(sparse8a, activations="int8")
-    result["bytes"][A8] = weight_bytes(sparse8a)
-    add(A8, sparse8a, ["compiled"], "nmsparse")
-    dense = load_dense(path, torch.bfloat16)
-    result["bytes"]["dense bf16"] = weight_bytes(dense)
-    add("dense bf16", dense, ["eager", "compiled"])
-    q8 = torch_int8(load_dense(path, torch.bfloat16))
-    result["bytes"]["torch int8"] = int8_bytes(q8)
-    add("torch int8", q8, ["eager"])
-    if not args.no_fp32:
+    wanted = set(args.variants or [A8, INT4, "2:4 bf16", "2:4+int8", "dense bf16", "torch int8", "torch int4",
+                                   *([] if args.no_fp32 else ["dense fp32"])])
+    if "2:4 bf16" in wanted:
+        sparse, result["build_24"] = load_24(path, torch.bfloat16)
+        result["bytes"]["2:4 bf16"] = weight_bytes(sparse)
+        add("2:4 bf16", sparse, ["compiled"], "nmsparse")
+    if wanted & {"2:4+int8", A8}:
+        sparse8, _ = load_24(path, torch.bfloat16)
+        decisions = nmcompile.deploy.pack_weights(sparse8, bits=8)
+        result["pack_int8"] = {"layers": len(decisions), "head": str(decisions.get("lm_head.weight", "kept"))}
+        if "2:4+int8" in wanted:
+            result["bytes"]["2:4+int8"] = weight_bytes(sparse8)
+            add("2:4+int8", sparse8, ["compiled"], "nmsparse")
+        if A8 in wanted:
+            sparse8a = copy.deepcopy(sparse8) if "2:4+int8" in wanted else sparse8  # the same codes, int8 activations
+            nmcompile.deploy.pack_weights(sparse8a, activations="int8")
+            result["bytes"][A8] = weight_bytes(sparse8a)
+            add(A8, sparse8a, ["compiled"], "nmsparse")
+    if INT4 in wanted:
+        sparse4, _ = load_24(path, torch.bfloat16)
+        decisions = nmcompile.deploy.pack_weights(sparse4, bits=4, group=args.group)
+        result["pack_int4"] = {"layers": len(decisions), "group": args.group,
+                               "head": str(decisions.get("lm_head.weight", "kept"))}
+        result["bytes"][INT4] = weight_bytes(sparse4)
+        add(INT4, sparse4, ["compiled"], "nmsparse")
+    if "dense bf16" in wanted:
+        dense = load_dense(path, torch.bfloat16)
+        result["bytes"]["dense bf16"] = weight_bytes(dense)
+        add("dense bf16", dense, ["eager", "compiled"])
+    for kind, linear in (("torch int8", TorchInt8Linear), ("torch int4", TorchInt4Linear)):
+        if kind in wanted:
+            q = torch_quantized(load_dense(path, torch.bfloat16), linear)
+            result["bytes"][kind] = quantized_bytes(q)
+            add(kind, q, ["eager"])
+    if "dense fp32" in wanted:
         dense32 = load_dense(path, torch.float32)
         result["bytes"]["dense fp32"] = weight_bytes(dense32)
         add("dense fp32", dense32, ["eager"])
@@ -151,15 +203,18 @@ def main(argv=None) -> dict:
         best[kind] = max(mine, key=lambda k: mine[k]["decode_tok_s"])
     result["best"] = best
     tok_s = {kind: result["variants"][name]["decode_tok_s"] for kind, name in best.items()}
-    dense_best = max(tok_s[k] for k in tok_s if k.startswith("dense"))
-    result["ratios"] = {kind: {"vs_best_dense": tok_s[kind] / dense_best, "vs_torch_int8": tok_s[kind] / tok_s["torch int8"],
+    dense_best = max((tok_s[k] for k in tok_s if k.startswith("dense")), default=float("nan"))
+    result["ratios"] = {kind: {"vs_best_dense": tok_s[kind] / dense_best,
+                               **{f"vs_{t.replace(' ', '_')}": tok_s[kind] / tok_s[t] for t in ("torch int8", "torch int4")
+                                  if t in tok_s},
                                "weight_GBps": result["bytes"][kind]["per_token"] * tok_s[kind] / 1e9}
                         for kind in tok_s}
-    dense_bf16 = result["bytes"]["dense bf16"]["resident"]
-    result["resident_vs_dense_bf16"] = {k: b["resident"] / dense_bf16 for k, b in result["bytes"].items()}
+    if "dense bf16" in result["bytes"]:
+        dense_bf16 = result["bytes"]["dense bf16"]["resident"]
+        result["resident_vs_dense_bf16"] = {k: b["resident"] / dense_bf16 for k, b in result["bytes"].items()}
     for name, s in result["variants"].items():
         print(f"  {name:>24}: {s['decode_tok_s']:7.2f} tok/s decode, prefill {s['prefill_s']:.2f} s ({s['timed']})")
-    print(json.dumps({k: result[k] for k in ("best", "ratios", "resident_vs_dense_bf16")}, indent=1), flush=True)
+    print(json.dumps({k: result.get(k) for k in ("best", "ratios", "resident_vs_dense_bf16")}, indent=1), flush=True)
     if args.estimate:
         result["estimate"] = estimate_against(path, result["variants"], args.threads, args.prompt + args.new_tokens // 2)
     if args.out:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import reference
 from nmcompile import pack
 from nmcompile.kernels import cpu24
-from nmcompile.kernels.cpu24.quantize import dequantize_layout4, quantize_layout4
+from nmcompile.kernels.cpu24.quantize import dense4, position_index, quantize_layout4
 
 pytestmark = pytest.mark.skipif("avx2" not in cpu24.isas(), reason="the 4-bit route needs AVX2")
 
@@ -21,15 +21,15 @@ SHAPES = [(1, 64, 64), (9, 128, 128), (8, 192, 64), (17, 256, 128), (33, 1024, 6
 
 
 def weight4(out_f, in_f, group, seed=0, dtype=torch.float32):
-    """(codes, bits, scales) in the kernel's layout, and the reference's (codes [N, K], scales [N, K/group]) of a
+    """(codes, index, scales) in the kernel's layout, and the reference's (codes [N, K], scales [N, K/group]) of a
     random 2:4 weight whose rows' magnitudes differ."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g) * torch.rand(out_f, 1, generator=g)
     w = (w * reference.topn_mask(w, 2, 4, -1)).to(dtype)
     p = pack(w)
     values, bits = cpu24.cpu_layout(p.values, p.meta)
-    codes, scales = quantize_layout4(values, out_f, group)
-    return codes, bits, scales, reference.int4_groups(w, group)
+    codes, index, scales = quantize_layout4(values, bits, out_f, group)
+    return codes, index, scales, reference.int4_groups(w, group)
 
 
 def check(y, x, ref_codes, ref_scales, bias):
@@ -47,25 +47,25 @@ def check(y, x, ref_codes, ref_scales, bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_f,in_f,group", SHAPES)
 def test_4_bit_values_match_the_definition(dtype, out_f, in_f, group):
-    codes, bits, scales, (ref_codes, ref_scales) = weight4(out_f, in_f, group, seed=in_f, dtype=dtype)
+    codes, index, scales, (ref_codes, ref_scales) = weight4(out_f, in_f, group, seed=in_f, dtype=dtype)
     op = torch.ops.nmsparse.cpu24_linear_q4
     bias = torch.randn(out_f).to(dtype)
     for tokens in (0, 1, 2, 3, 5, 17):
         x = torch.randn(tokens, in_f).to(dtype)
-        check(op(x, codes, bits, scales, bias, out_f, group, -1, A8), x, ref_codes, ref_scales, bias)
+        check(op(x, codes, index, scales, bias, out_f, group, -1, A8), x, ref_codes, ref_scales, bias)
     x = torch.randn(in_f, 3).t().to(dtype)  # strided
-    check(op(x, codes, bits, scales, None, out_f, group, -1, A8), x, ref_codes, ref_scales, None)
+    check(op(x, codes, index, scales, None, out_f, group, -1, A8), x, ref_codes, ref_scales, None)
     x3 = torch.randn(2, 3, in_f).to(dtype)
-    check(op(x3, codes, bits, scales, None, out_f, group, -1, A8), x3, ref_codes, ref_scales, None)
+    check(op(x3, codes, index, scales, None, out_f, group, -1, A8), x3, ref_codes, ref_scales, None)
 
 
 @pytest.mark.parametrize("group", (64, 128))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_layout_holds_the_definitions_grid(group, dtype):
-    codes, bits, scales, (ref_codes, ref_scales) = weight4(21, 512, group, seed=3, dtype=dtype)
-    assert codes.dtype == torch.uint8 and scales.dtype == torch.float16
-    assert codes.shape == (3, 512 // 64, 4, 32) and scales.shape == (3, 512 // group, 8)
-    dense = cpu24.unpack(dequantize_layout4(codes, scales, group), bits, 21).double()
+    codes, index, scales, (ref_codes, ref_scales) = weight4(21, 512, group, seed=3, dtype=dtype)
+    assert codes.dtype == torch.uint8 and index.dtype == torch.uint8 and scales.dtype == torch.float16
+    assert codes.shape == (3, 512 // 64, 4, 32) and index.shape == (3, 8, 8, 8) and scales.shape == (3, 512 // group, 8)
+    dense = dense4(codes, index, scales, group, 21).double()
     expected = ref_codes * ref_scales.repeat_interleave(group, dim=1)
     assert torch.equal(dense, expected)
     assert torch.equal(scales.transpose(1, 2).reshape(24, -1)[:21].double(), ref_scales)
@@ -74,13 +74,13 @@ def test_the_layout_holds_the_definitions_grid(group, dtype):
 
 
 def test_calls_past_max_tokens_take_the_dense_gemm_on_the_dequantized_weight():
-    codes, bits, scales, (ref_codes, ref_scales) = weight4(24, 256, 64)
+    codes, index, scales, (ref_codes, ref_scales) = weight4(24, 256, 64)
     w = ref_codes * ref_scales.repeat_interleave(64, dim=1)
     op = torch.ops.nmsparse.cpu24_linear_q4
     for dtype in DTYPES:
         x = torch.randn(5, 256).to(dtype)
         bias = torch.randn(24).to(dtype)
-        assert torch.equal(op(x, codes, bits, scales, bias, 24, 64, 4, A8), F.linear(x, w.to(dtype), bias))
+        assert torch.equal(op(x, codes, index, scales, bias, 24, 64, 4, A8), F.linear(x, w.to(dtype), bias))
 
 
 def test_zero_groups_nan_activations_and_outliers():
@@ -91,40 +91,57 @@ def test_zero_groups_nan_activations_and_outliers():
     w[7, 10] = 100.0  # an outlier: its group's scale only
     p = pack(w)
     values, bits = cpu24.cpu_layout(p.values, p.meta)
-    codes, scales = quantize_layout4(values, 16, 64)
+    codes, index, scales = quantize_layout4(values, bits, 16, 64)
     ref_codes, ref_scales = reference.int4_groups(w, 64)
     assert float(ref_scales[3].abs().max()) == 0.0 and float(ref_scales[5, 1]) == 0.0
     x = torch.randn(3, 256)
     x[1, 100] = float("nan")
     bias = torch.randn(16)
-    y = torch.ops.nmsparse.cpu24_linear_q4(x, codes, bits, scales, bias, 16, 64, -1, A8)
+    y = torch.ops.nmsparse.cpu24_linear_q4(x, codes, index, scales, bias, 16, 64, -1, A8)
     assert bool(torch.isnan(y[1]).all())
     check(y[[0, 2]], x[[0, 2]], ref_codes, ref_scales, bias)
     assert torch.equal(y[[0, 2], 3], bias[3].expand(2))
 
 
 def test_bad_layouts_groups_and_isas_are_refused_by_name():
-    codes, bits, scales, _ = weight4(16, 128, 64)
+    codes, index, scales, _ = weight4(16, 128, 64)
     op = torch.ops.nmsparse.cpu24_linear_q4
     x = torch.randn(1, 128)
     with pytest.raises(RuntimeError, match="4-bit weights run on isa 'avx2_a8' only"):
-        op(x, codes, bits, scales, None, 16, 64, -1, "avx2")
+        op(x, codes, index, scales, None, 16, 64, -1, "avx2")
     with pytest.raises(RuntimeError, match="group is 64 or 128"):
-        op(x, codes, bits, scales, None, 16, 32, -1, A8)
+        op(x, codes, index, scales, None, 16, 32, -1, A8)
     with pytest.raises(RuntimeError, match=r"expected contiguous fp16 CPU scales \[2, 2, 8\]"):
-        op(x, codes, bits, scales.float(), None, 16, 64, -1, A8)
+        op(x, codes, index, scales.float(), None, 16, 64, -1, A8)
     with pytest.raises(RuntimeError, match="does not match the weight's in_features 128"):
-        op(torch.randn(1, 64), codes, bits, scales, None, 16, 64, -1, A8)
+        op(torch.randn(1, 64), codes, index, scales, None, 16, 64, -1, A8)
     with pytest.raises(RuntimeError, match=r"expected contiguous uint8 CPU values"):
-        op(x, codes.view(torch.int8), bits, scales, None, 16, 64, -1, A8)
+        op(x, codes.view(torch.int8), index, scales, None, 16, 64, -1, A8)
+    with pytest.raises(RuntimeError, match=r"expected a contiguous uint8 CPU index \[2, 2, 8, 8\]"):
+        op(x, codes, index.view(torch.int16), scales, None, 16, 64, -1, A8)
     w = torch.randn(16, 96)
     p = pack(w * reference.topn_mask(w, 2, 4, -1))
-    values, _ = cpu24.cpu_layout(p.values, p.meta)
+    values, bits = cpu24.cpu_layout(p.values, p.meta)
     with pytest.raises(ValueError, match="in_features 96 is not a multiple of group=64"):
-        quantize_layout4(values, 16, 64)
+        quantize_layout4(values, bits, 16, 64)
     with pytest.raises(ValueError, match="group=32 is not supported"):
-        quantize_layout4(values, 16, 32)
+        quantize_layout4(values, bits, 16, 32)
     bad = values.clone()
     bad[0, 0, 2, 0] = float("inf")
     with pytest.raises(ValueError, match=r"rows \[2\] hold NaN or infinite weights"):
-        quantize_layout4(torch.cat([bad, bad[:, :2]], 1), 16, 64)
+        quantize_layout4(torch.cat([bad, bad[:, :2]], 1), torch.cat([bits, bits[:, :2]], 1), 16, 64)
+
+
+def test_the_index_holds_each_kept_values_position_in_its_group_of_four():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 128, generator=g)
+    w = w * reference.topn_mask(w, 2, 4, -1)
+    p = pack(w)
+    _, bits = cpu24.cpu_layout(p.values, p.meta)
+    index = position_index(bits)  # [2 groups, 2 steps, 8 rows, 8]
+    for row in (0, 5, 11):
+        for step in (0, 1):
+            for word in range(4):
+                positions = w[row, step * 64 + word * 16:][:16].nonzero().flatten().tolist()
+                got = [4 * (j // 2) + ((int(index[row // 8, step, row % 8, j]) >> (2 * word)) & 3) for j in range(8)]
+                assert got == positions, (row, step, word)

@@ -112,11 +112,14 @@ inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
   constexpr int kStepBytes = Q4 ? G * 16 : 4 * G * 8;  // a step's values for the group's rows
   // the group's values: int8 ones hold every word (K/16 may pass the last whole step), 4-bit ones whole steps
   const auto* v0 = static_cast<const int8_t*>(a.values) + group * (Q4 ? steps * kStepBytes : words * G * 8);
-  const uint16_t* b0 = a.bits + group * words * G;
+  // int8: the position bits (16 a word, per row); 4-bit: each kept value's position in its group of 4, 2 bits
+  // (8 bytes per row and step: cpu24_args.h)
+  const uint16_t* b0 = a.bits + group * (Q4 ? steps * 4 * G : words * G);
   const auto* q = static_cast<const int8_t*>(a.x) + t0 * kq;
   const float* d = a.xscales + t0 * (kq / 8);
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
   const __m256i lut = load32(kA8.first_second), second = load32(kA8.second), base = load32(kA8.group_base);
+  const __m256i shifts = _mm256_setr_epi64x(0, 2, 4, 6), three = _mm256_set1_epi8(3);
   // Q4: the group's scales, 8 rows a step's group (fp16), and how many steps share one
   const uint16_t* ws0 = Q4 ? a.wscales + group * (a.k / a.wgroup) * G : nullptr;
   const int64_t steps_per_scale = Q4 ? a.wgroup / 64 : 1;
@@ -143,11 +146,16 @@ inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
     // the step's position bits, one byte per group of 4 positions (its nibble): words [0 | 2] and [1 | 3], rows
     // 0-3 and 4-7. Done once for the 8 rows, this took a row's control from 10 instructions to 6 (a loop's
     // compute-bound rate per core 10.9 -> 13.3-14.2 GB/s, Zen 3, a standalone probe)
-    const __m256i s0 = load2(b, b + 2 * G), s1 = load2(b + G, b + 3 * G);
-    const __m256i lo0 = _mm256_and_si256(s0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(s0, 4), low4);
-    const __m256i lo1 = _mm256_and_si256(s1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(s1, 4), low4);
-    const __m256i nib02[2] = {_mm256_unpacklo_epi8(lo0, hi0), _mm256_unpackhi_epi8(lo0, hi0)};
-    const __m256i nib13[2] = {_mm256_unpacklo_epi8(lo1, hi1), _mm256_unpackhi_epi8(lo1, hi1)};
+    __m256i nib02[2], nib13[2];
+    if constexpr (!Q4) {
+      const __m256i s0 = load2(b, b + 2 * G), s1 = load2(b + G, b + 3 * G);
+      const __m256i lo0 = _mm256_and_si256(s0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(s0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(s1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(s1, 4), low4);
+      nib02[0] = _mm256_unpacklo_epi8(lo0, hi0);
+      nib02[1] = _mm256_unpackhi_epi8(lo0, hi0);
+      nib13[0] = _mm256_unpacklo_epi8(lo1, hi1);
+      nib13[1] = _mm256_unpackhi_epi8(lo1, hi1);
+    }
     for (int rp = r0; rp < r0 + RP; rp += 2) {
       // rows rp, rp + 1 as a row's [w0 w1 | w2 w3]: int8 values in two loads a pair of words and an unpack; 4-bit
       // codes in one load, the first row's the low nibbles, the second's the high ones (offset by 8)
@@ -163,10 +171,16 @@ inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
       }
       for (int h = 0; h < 2; ++h) {
         const int r = rp + h;
-        const __m256i nib = _mm256_xor_si256(_mm256_or_si256(_mm256_shuffle_epi8(nib02[r / 4], load32(kA8.sel[r][0])),
-                                                             _mm256_shuffle_epi8(nib13[r / 4], load32(kA8.sel[r][1]))),
-                                             second);
-        const __m256i ctl = _mm256_add_epi8(_mm256_shuffle_epi8(lut, nib), base);
+        __m256i ctl;
+        if constexpr (Q4) {  // byte 8L + j: bits 2L.. of the row's byte j (word L of the step, kept value j)
+          const uint64_t row_index = reinterpret_cast<const uint64_t*>(b)[r];
+          ctl = _mm256_add_epi8(_mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(static_cast<int64_t>(row_index)), shifts), three), base);
+        } else {
+          const __m256i nib = _mm256_xor_si256(_mm256_or_si256(_mm256_shuffle_epi8(nib02[r / 4], load32(kA8.sel[r][0])),
+                                                               _mm256_shuffle_epi8(nib13[r / 4], load32(kA8.sel[r][1]))),
+                                               second);
+          ctl = _mm256_add_epi8(_mm256_shuffle_epi8(lut, nib), base);
+        }
         for (int t = 0; t < TT; ++t) {
           const __m256i xg = _mm256_blend_epi32(_mm256_shuffle_epi8(xa[t], ctl), _mm256_shuffle_epi8(xb[t], ctl), 0xCC);
           const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(xg), _mm256_sign_epi8(wr[h], xg)), ones);

@@ -15,8 +15,11 @@ constexpr int NM24_GROUP = 8;
 // NM24_I8: int8 values of a row scaled by scales[row] (fp32; applied once to the row's fp32 sum);
 // NM24_I8_DENSE: a dense int8 weight, scaled the same way, values [groups, K/16, NM24_GROUP, 16] (every
 // position of the word, no bits); NM24_I4: 4-bit codes of the kept values with an fp16 scale per row and group of
-// wgroup positions (values [groups, K/64, NM24_GROUP/2, 32] uint8, two rows a byte; quantize.py), the bits as
-// for the other 2:4 weights
+// wgroup positions (values [groups, K/64, NM24_GROUP/2, 32] uint8, two rows a byte; quantize.py), and in place of
+// the bits an index [groups, K/64, NM24_GROUP, 8] uint8: per row and step of 64 positions, byte j holds in bits
+// 2L, 2L + 1 the position of kept value j of the step's word L within its group of 4 (kept value j of a word is in
+// the word's group of 4 number j / 2): one 64-bit broadcast, a shift by (0, 2, 4, 6) and an `and` make the
+// kernel's pairing control
 enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2, NM24_I8 = 3, NM24_I8_DENSE = 4, NM24_I4 = 5 };
 
 struct Nm24Args {

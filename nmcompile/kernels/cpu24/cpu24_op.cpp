@@ -11,8 +11,8 @@
 //   cpu24_dense_q8(x, values, scales, bias, out_features, max_tokens, isa): F.linear with a dense int8 weight,
 //     values [groups, K/16, NM24_GROUP, 16] (the CPU layout with every position kept), row r scaled by scales[r];
 //     calls above max_tokens take the dense GEMM on the weight dequantized for the call. No autograd.
-//   cpu24_linear_q4(x, values, bits, scales, bias, out_features, group, max_tokens, isa): the same with 4-bit codes
-//     of the kept values, an fp16 scale per row and group of `group` positions (64 or 128; NM24_I4 in
+//   cpu24_linear_q4(x, values, index, scales, bias, out_features, group, max_tokens, isa): the same with 4-bit codes
+//     of the kept values and their positions as an index, an fp16 scale per row and group of `group` positions (64 or 128; NM24_I4 in
 //     cpu24_args.h, nmcompile/kernels/cpu24/quantize.py), on isa "avx2_a8" only; calls above max_tokens take
 //     the dense GEMM on W dequantized into the input's dtype for the call. No autograd.
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
@@ -192,23 +192,27 @@ void unpack_rows(const Raw* v, const uint16_t* b, Out* d, int64_t words, int64_t
   }
 }
 
-// the 4-bit layout (NM24_I4, cpu24_args.h) dequantized: code times its row's and group's fp16 scale
+// the 4-bit layout (NM24_I4, cpu24_args.h) dequantized: code times its row's and group's fp16 scale, at the
+// position its index gives (kept value j of a word: group of 4 positions j / 2, 2 bits of index within it)
 template <typename Out>
-void unpack_rows4(const uint8_t* v, const uint16_t* b, const at::Half* scales, Out* d, int64_t words, int64_t wgroup,
+void unpack_rows4(const uint8_t* v, const uint8_t* index, const at::Half* scales, Out* d, int64_t steps, int64_t wgroup,
                   int64_t r0, int64_t r1) {
-  const int64_t k = words * 16, steps = words / 4, per_row = k / wgroup;
+  const int64_t k = steps * 64, per_row = k / wgroup;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t group = r / NM24_GROUP, within = r % NM24_GROUP;
     const int shift = within % 2 ? 4 : 0;  // the pair's second row: the high nibbles
-    for (int64_t w = 0; w < words; ++w) {
-      const int64_t s = w / 4, in_step = w % 4;
-      const uint8_t* codes = v + ((group * steps + s) * (NM24_GROUP / 2) + within / 2) * 32 + in_step / 2 * 16 + in_step % 2 * 8;
+    Out* row = d + r * k;
+    for (int64_t i = 0; i < k; ++i) row[i] = static_cast<Out>(0.0f);
+    for (int64_t s = 0; s < steps; ++s) {
+      const uint8_t* codes = v + ((group * steps + s) * (NM24_GROUP / 2) + within / 2) * 32;
+      const uint8_t* at = index + ((group * steps + s) * NM24_GROUP + within) * 8;
       const float scale = static_cast<float>(scales[(group * per_row + s * 64 / wgroup) * NM24_GROUP + within]);
-      float word[9];
-      for (int j = 0; j < 8; ++j) word[j] = static_cast<float>(((codes[j] >> shift) & 0x0F) - 8) * scale;
-      word[8] = 0.0f;
-      place_word(b[(group * words + w) * NM24_GROUP + within], word, d + r * k + w * 16,
-                 [](float x, int64_t) { return static_cast<Out>(x); }, r);
+      for (int word = 0; word < 4; ++word)
+        for (int j = 0; j < 8; ++j) {
+          const int code = ((codes[word / 2 * 16 + word % 2 * 8 + j] >> shift) & 0x0F) - 8;
+          const int position = 4 * (j / 2) + ((at[j] >> (2 * word)) & 3);
+          row[s * 64 + word * 16 + position] = static_cast<Out>(static_cast<float>(code) * scale);
+        }
     }
   }
 }
@@ -279,26 +283,25 @@ at::Tensor dequantized_for_gemm(const at::Tensor& values, const at::Tensor& bits
 }
 
 // the 4-bit layout dequantized into the kept buffer, in `dtype`: the dense route of cpu24_linear_q4
-at::Tensor dequantized4_for_gemm(const at::Tensor& values, const at::Tensor& bits, const at::Tensor& scales,
+at::Tensor dequantized4_for_gemm(const at::Tensor& values, const at::Tensor& index, const at::Tensor& scales,
                                  int64_t wgroup, int64_t n, at::ScalarType dtype) {
   thread_local at::Tensor buffer;
-  const int64_t k = bits.size(1) * 16, bytes = n * k * at::elementSize(dtype);
+  const int64_t steps = values.size(1), k = steps * 64, bytes = n * k * at::elementSize(dtype);
   if (!buffer.defined() || buffer.numel() < bytes) {
     buffer = at::Tensor();
     buffer = at::empty({bytes}, values.options().dtype(at::kByte));
   }
   auto dense = buffer.narrow(0, 0, bytes).view(dtype).view({n, k});
-  const int64_t words = bits.size(1);
   const auto* v = values.data_ptr<uint8_t>();
-  const auto* b = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
+  const auto* x = index.data_ptr<uint8_t>();
   const at::Half* s = scales.data_ptr<at::Half>();
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     if (dtype == at::kFloat)
-      unpack_rows4(v, b, s, dense.data_ptr<float>(), words, wgroup, r0, r1);
+      unpack_rows4(v, x, s, dense.data_ptr<float>(), steps, wgroup, r0, r1);
     else if (dtype == at::kBFloat16)
-      unpack_rows4(v, b, s, dense.data_ptr<at::BFloat16>(), words, wgroup, r0, r1);
+      unpack_rows4(v, x, s, dense.data_ptr<at::BFloat16>(), steps, wgroup, r0, r1);
     else
-      unpack_rows4(v, b, s, dense.data_ptr<at::Half>(), words, wgroup, r0, r1);
+      unpack_rows4(v, x, s, dense.data_ptr<at::Half>(), steps, wgroup, r0, r1);
   });
   return dense;
 }
@@ -335,8 +338,8 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
                           const c10::optional<at::Tensor>& bias, int64_t n, c10::string_view isa_name,
                           SplitProbe* probe, const float* scales = nullptr, const at::Tensor& wscales = {},
                           int64_t wgroup = 0) {
-  const bool q4 = values.scalar_type() == at::kByte;  // NM24_I4: K from the bits (the values hold K/64 steps)
-  const int64_t k = (q4 ? bits.size(1) : values.size(1)) * 16;
+  const bool q4 = values.scalar_type() == at::kByte;  // NM24_I4: the values hold K/64 steps, `bits` the index
+  const int64_t k = values.size(1) * (q4 ? 64 : 16);
   const int64_t tokens = k ? x.numel() / k : 0;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
@@ -372,7 +375,7 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
   }
   auto out = at::empty({tokens, n}, x.options().dtype(at::kFloat));
   // a dense weight's kernel never reads bits: the pointer is the values' (in bounds, as each step's address is)
-  const auto* bits_ptr = bits.defined() ? reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>())
+  const auto* bits_ptr = bits.defined() ? static_cast<const uint16_t*>(bits.data_ptr())
                                         : static_cast<const uint16_t*>(values.data_ptr());
   Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(),
              q4 ? NM24_I4 : bits.defined() ? wdtype_of(values.scalar_type()) : NM24_I8_DENSE,
@@ -464,21 +467,21 @@ at::Tensor cpu24_dense_q8(const at::Tensor& x, const at::Tensor& values, const a
   return sparse_product(x, values, at::Tensor(), bias, n, isa_name, nullptr, scales.data_ptr<float>());
 }
 
-at::Tensor cpu24_linear_q4(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bits,
+at::Tensor cpu24_linear_q4(const at::Tensor& x, const at::Tensor& values, const at::Tensor& index,
                            const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group,
                            int64_t max_tokens, c10::string_view isa_name) {
   const char* op = "nmsparse::cpu24_linear_q4";
-  TORCH_CHECK(bits.dim() == 3 && bits.size(2) == NM24_GROUP && bits.scalar_type() == at::kShort && bits.is_contiguous() &&
-                  bits.device().is_cpu(),
-              op, ": expected contiguous int16 CPU bits [groups, K/16, ", NM24_GROUP, "], got ", shape_str(bits), " ",
-              bits.scalar_type());
-  const int64_t groups = bits.size(0), k = bits.size(1) * 16;
+  TORCH_CHECK(values.dim() == 4 && values.size(2) == NM24_GROUP / 2 && values.size(3) == 32 &&
+                  values.scalar_type() == at::kByte && values.is_contiguous() && values.device().is_cpu(),
+              op, ": expected contiguous uint8 CPU values [groups, K/64, ", NM24_GROUP / 2, ", 32], got ",
+              shape_str(values), " ", values.scalar_type());
+  const int64_t groups = values.size(0), k = values.size(1) * 64;
+  TORCH_CHECK(index.dim() == 4 && index.size(0) == groups && index.size(1) == k / 64 && index.size(2) == NM24_GROUP &&
+                  index.size(3) == 8 && index.scalar_type() == at::kByte && index.is_contiguous() && index.device().is_cpu(),
+              op, ": expected a contiguous uint8 CPU index [", groups, ", ", k / 64, ", ", NM24_GROUP, ", 8], got ",
+              shape_str(index), " ", index.scalar_type());
   TORCH_CHECK(group == 64 || group == 128, op, ": group is 64 or 128 positions, got ", group);
   TORCH_CHECK(k % group == 0, op, ": in_features ", k, " is not a multiple of group ", group);
-  TORCH_CHECK(values.dim() == 4 && values.size(0) == groups && values.size(1) == k / 64 && values.size(2) == NM24_GROUP / 2 &&
-                  values.size(3) == 32 && values.scalar_type() == at::kByte && values.is_contiguous() && values.device().is_cpu(),
-              op, ": expected contiguous uint8 CPU values [", groups, ", ", k / 64, ", ", NM24_GROUP / 2, ", 32], got ",
-              shape_str(values), " ", values.scalar_type());
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == k / group && scales.size(2) == NM24_GROUP &&
                   scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.device().is_cpu(),
               op, ": expected contiguous fp16 CPU scales [", groups, ", ", k / group, ", ", NM24_GROUP, "], got ",
@@ -491,8 +494,8 @@ at::Tensor cpu24_linear_q4(const at::Tensor& x, const at::Tensor& values, const 
               " takes fp32, bf16 or fp16 inputs, got ", dtype);
   const int64_t tokens = k ? x.numel() / k : 0;
   if (max_tokens >= 0 && tokens > max_tokens)  // the measured range ends here: dense GEMM
-    return at::linear(x, dequantized4_for_gemm(values, bits, scales, group, n, dtype), bias);
-  return sparse_product(x, values, bits, bias, n, isa_name, nullptr, nullptr, scales, group);
+    return at::linear(x, dequantized4_for_gemm(values, index, scales, group, n, dtype), bias);
+  return sparse_product(x, values, index, bias, n, isa_name, nullptr, nullptr, scales, group);
 }
 
 // cpu24_linear's sparse product with thread `slow_thread` (0 the caller, 1.. the others) sleeping
@@ -519,7 +522,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> cpu24_split_probe(const at:
 TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
   m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_linear_q8(Tensor x, Tensor values, Tensor bits, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
-  m.def("cpu24_linear_q4(Tensor x, Tensor values, Tensor bits, Tensor scales, Tensor? bias, int out_features, int group, int max_tokens, str isa) -> Tensor");
+  m.def("cpu24_linear_q4(Tensor x, Tensor values, Tensor index, Tensor scales, Tensor? bias, int out_features, int group, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_dense_q8(Tensor x, Tensor values, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
   m.def("cpu24_isa() -> int");

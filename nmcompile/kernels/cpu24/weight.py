@@ -85,7 +85,8 @@ class PackedLinearWeight(Tensor):
     @property
     def int4(self) -> bool:
         """Whether the kept values are 4-bit codes with an fp16 scale per row and :attr:`group` of positions
-        (:func:`~nmcompile.kernels.cpu24.quantize.quantize_layout4`), computed on the ``avx2_a8`` route."""
+        (:func:`~nmcompile.kernels.cpu24.quantize.quantize_layout4`; ``bits`` then holds their positions as its
+        index), computed on the ``avx2_a8`` route."""
         return self.values.dtype == torch.uint8
 
     @property
@@ -106,8 +107,8 @@ class PackedLinearWeight(Tensor):
         ``group`` positions, rounded to nearest (:mod:`.quantize`)."""
         n = self.weight_shape[0]
         if bits == 4:
-            codes, scales = quantize.quantize_layout4(self.values, n, group)
-            return self._with(values=codes, scales=scales, isa=isa, dtype=self.dtype), \
+            codes, index, scales = quantize.quantize_layout4(self.values, self.bits, n, group)
+            return self._with(values=codes, bits=index, scales=scales, isa=isa, dtype=self.dtype), \
                 f"rounded to nearest, 4-bit in groups of {group}"
         found = None if grid is None or grid.dim() != 1 else quantize.quantize_layout(self.values, n, grid)
         how = "the one-shot solve's int8 grid"
@@ -199,8 +200,7 @@ class PackedLinearWeight(Tensor):
         their group's scale."""
         _require_kernel()
         if self.int4:
-            layout = quantize.dequantize_layout4(self.values, self.scales, self.group)
-            w = torch.ops.nmsparse.cpu24_unpack(layout, self.bits, self.weight_shape[0]).to(self.dtype)
+            w = quantize.dense4(self.values, self.bits, self.scales, self.group, self.weight_shape[0]).to(self.dtype)
             return w.t() if self.transposed else w
         if self.dense_rows:
             w = quantize.dense_rows(self.values, self.weight_shape[0])
