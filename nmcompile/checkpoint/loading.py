@@ -175,7 +175,7 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     _stream(model, layout, sources, dtype, measure, path, isa8)
     found = _head_of(model, head) if int8 else None
     if found is not None:
-        _pack_head(model, *found, isa8)
+        _pack_head(model, *found, isa8, 8)
     generation = os.path.join(path, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,51 +27,15 @@ from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
 from ..kernels.format24 import (DAMAGED_HINT, META_SUFFIX, Packed24, packed_record, lost_metadata, pack, packed_dims,
                                unpack)
-from ..kernels.cpu24.quantize import GROUP_SIZES, quantize_dense
-from ..kernels.cpu24.weight import RANGE_ATTR, PackedLinearWeight
+from ..kernels.cpu24.quantize import GROUP_SIZES, quantize_dense, quantize_dense4
+from ..kernels.cpu24.weight import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
 from ..state.records import DEPLOYED, deployed_of, owners
-from ..kernels.dispatch.cpu import provenance, sparse_ladder
+from ..kernels.dispatch.ranges import RangeRule
 from ..state.deployed import Deployed
 
 __all__ = ["pack_weights", "unpack_weights", "load_packed", "PackedLinearWeight", "RangeRule"]
-
-
-def token_range(out_f: int, in_f: int, dtype: torch.dtype, bias: bool, isa: str, measure: bool) -> tuple[int, tuple, str]:
-    """``(max_tokens, ratios, how)``: the measured range, and how it was decided ("" when timed now)."""
-    if not measure:
-        return -1, (), ""
-
-    if isa == cpu24.A8_ISA:  # int8 weights: the float kernel's range on the shape (INT8_REASON)
-        isa = "avx2"
-    max_tokens, measured = sparse_ladder(out_f, in_f, dtype, bias, isa, packed_only=True)
-    return max_tokens, measured.ratios, provenance(measured)
-
-
-@dataclass(frozen=True)
-class RangeRule:
-    """How a packed weight's token range is decided, kept on the weight (:data:`~nmcompile.kernels.cpu24.weight.
-    RANGE_ATTR`), so that a conversion to another dtype (``model.to(torch.bfloat16)``, ``.half()``, ``.float()``)
-    decides it again for that dtype, as packing in that dtype does: the decision cache's entry, else timed."""
-
-    bias: bool  # the layer adds a bias (timed with it; part of the decision cache's key)
-    measure: bool  # False: the kernel takes every token count, not timed, whatever the dtype
-    reason: str = "packed only"
-
-    def decide(self, weight: PackedLinearWeight, converted_from: torch.dtype | None = None) -> Decision:
-        """Set the range of ``weight`` (``max_tokens``) for its shape, dtype and ISA, and its decision (read by
-        :func:`nmcompile.deploy_report`); the decision."""
-        max_tokens, ratios, how = token_range(*weight.weight_shape, weight.dtype, self.bias, weight.isa, self.measure)
-        reason = self.reason + ("" if self.measure else ", every token count (not timed)")
-        if converted_from is not None:
-            reason += f"; converted from {converted_from} to {weight.dtype}"
-        decision = Decision("cpu24", reason + (f"; {how}" if how else ""), max_tokens=max_tokens, isa=weight.isa,
-                            ratios=ratios, speedup=ratios[0][1] if ratios else None)
-        weight.max_tokens = max_tokens
-        setattr(weight, DECISION_ATTR, decision)
-        setattr(weight, RANGE_ATTR, self)
-        return decision
 
 
 #: the attribute of a packed-only parameter that keeps whether the dense weight it replaced was
@@ -125,15 +88,22 @@ def _head_of(model: nn.Module, head: str | None) -> tuple[str, nn.Linear] | None
     return head, module
 
 
-def _pack_head(model: nn.Module, name: str, module: nn.Linear, isa: str) -> Decision:
-    """The head's weight as dense int8 rows (:func:`~nmcompile.kernels.cpu24.quantize.quantize_dense`) run on
-    ``isa``, in every module holding that parameter (a tied input embedding looks its rows up in the same int8
-    table)."""
+def _pack_head(model: nn.Module, name: str, module: nn.Linear, isa: str, bits: int | None = 8,
+               group: int = 64) -> Decision:
+    """The head's weight as dense int8 rows (:func:`~nmcompile.kernels.cpu24.quantize.quantize_dense`), or 4-bit
+    ones in groups of ``group`` (``bits=4``: :func:`~nmcompile.kernels.cpu24.quantize.quantize_dense4`), run on
+    ``isa``, in every module holding that parameter (a tied input embedding looks its rows up in the same table).
+    ``bits=None``: as it is held already."""
     param = module.weight
     tied = [(name, holder, attr) for name, holder in model.named_modules(remove_duplicate=False)
             for attr, p in holder._parameters.items() if p is param]
     if isinstance(param, PackedLinearWeight):
-        decision = getattr(param, DECISION_ATTR, Decision("cpu24", "int8 rows"))
+        held = f"4-bit rows in groups of {param.group}" if param.int4 else "int8 rows"
+        if bits is not None and held != ("int8 rows" if bits == 8 else f"4-bit rows in groups of {group}"):
+            raise ValueError(f"nmcompile.deploy.pack_weights: the output head {name} holds {held}; head_bits={bits} "
+                             "would round it a second time: call nmcompile.deploy.unpack_weights(model) first, or "
+                             "pack with what it holds")
+        decision = getattr(param, DECISION_ATTR, Decision("cpu24", held))
         if param.dense_rows and param.isa != isa:  # the other activations' route
             decision = dataclasses.replace(decision, isa=isa)
             set_packed(module, "weight", param._with(isa=isa), decision, is_trainable(param), tied)
@@ -141,21 +111,23 @@ def _pack_head(model: nn.Module, name: str, module: nn.Linear, isa: str) -> Deci
     why = None
     if param.device.type != "cpu" or param.dtype not in cpu24.DTYPES:
         why = f"a {param.dtype} weight on {param.device.type} (the kernel takes CPU fp32/bf16/fp16)"
-    elif param.shape[1] % 16:
-        why = f"in_features {param.shape[1]} is not a multiple of 16"
+    elif param.shape[1] % (group if bits == 4 else 16):
+        why = f"in_features {param.shape[1]} is not a multiple of {f'group={group}' if bits == 4 else 16}"
     elif not cpu24.status().available:
         why = cpu24.status().reason
     if why is not None:
         return Decision("dense", f"output head kept dense: {why}")
-    values, scales = quantize_dense(param.detach())
+    values, scales = quantize_dense4(param.detach(), group) if bits == 4 else quantize_dense(param.detach())
     tensor = PackedLinearWeight(values, None, tuple(param.shape), -1, isa, False, scales, param.dtype)
-    decision = Decision("cpu24", "output head as dense int8 rows (every token count)", isa=tensor.isa)
+    kind = f"4-bit rows in groups of {group}" if bits == 4 else "int8 rows"
+    decision = Decision("cpu24", f"output head as dense {kind} (every token count)", isa=tensor.isa)
     set_packed(module, "weight", tensor, decision, param.requires_grad, tied)
     return decision
 
 
 def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = None, group: int = 64,
-                 head: str | None = "auto", activations: str | None = None) -> dict[str, Decision]:
+                 head: str | None = "auto", head_bits: int | None = None,
+                 activations: str | None = None) -> dict[str, Decision]:
     """Hold every finalized 2:4 linear weight of ``model`` packed only; ``{name: decision}`` of each.
 
     A weight is packed when its record (from :func:`nmcompile.finalize`) says 2:4 along its
@@ -183,7 +155,8 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
     ``bits=4``: the kept values as 4-bit codes with an fp16 scale per row and ``group`` positions (64 or 128;
     round to nearest: 3.25 bits a weight at 64 with the positions), on the int8-activation route only (below;
     AVX2); a layer whose in_features is not a multiple of ``group`` keeps float values, its decision says so. The
-    head becomes dense int8 rows as with ``bits=8``. Weights that hold int8 values already are refused
+    head becomes dense 4-bit rows in groups of ``group`` (4.25 bits a weight at 64), or int8 ones with
+    ``head_bits=8`` (``head_bits``: the head's, default ``bits``). Weights that hold int8 values already are refused
     (:func:`unpack_weights` first: a second rounding from the int8 grid is not the 4-bit grid of the weight).
 
     ``activations``: what the quantized weights' products take their activations as. ``"float"`` (the default
@@ -203,6 +176,9 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         raise ValueError(f"nmcompile.deploy.pack_weights: bits=4 runs with int8 activations only, got "
                          f"activations={activations!r}; leave activations unset (or 'int8'), or take bits=8 for float "
                          "activations")
+    if head_bits not in (None, 8, 4) or (head_bits == 4 and bits != 4) or (head_bits is not None and bits is None):
+        raise ValueError(f"nmcompile.deploy.pack_weights: head_bits={head_bits!r} with bits={bits!r}: the head takes 8 "
+                         "(int8 rows, with bits=8 or 4) or 4 (4-bit rows, with bits=4), or None (as bits)")
     if bits == 4 and group not in GROUP_SIZES:
         raise ValueError(f"nmcompile.deploy.pack_weights: group={group!r} is not supported; a 4-bit scale covers "
                          f"{' or '.join(map(str, GROUP_SIZES))} positions of a row")
@@ -274,7 +250,7 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
     int8 = bits in (8, 4) or any(isinstance(p, PackedLinearWeight) and p.quantized for p in model.parameters())
     found = _head_of(model, head) if int8 else None
     if found is not None and out and (bits in (8, 4) or isinstance(found[1].weight, PackedLinearWeight)):
-        out[f"{found[0]}.weight"] = _pack_head(model, *found, isa8)
+        out[f"{found[0]}.weight"] = _pack_head(model, *found, isa8, head_bits or bits, group)
     if activations == "int8" and not int8:
         raise ValueError("nmcompile.deploy.pack_weights: activations='int8' is the route of int8 weights, and "
                          f"{type(model).__name__} holds none; pass bits=8 to quantize its 2:4 weights")

@@ -36,9 +36,15 @@ def test_every_2_4_weight_holds_the_definitions_grid_and_the_model_runs_on_it(gr
     with torch.no_grad():
         decisions = pack_weights(model, bits=4, group=group, measure=False)
         held = int4_weights(model)
-        # every 2:4 linear (7 a layer, two layers) at 4 bits; the tied head as dense int8 rows on the same route
+        # every 2:4 linear (7 a layer, two layers) and the tied head (dense rows) at 4 bits, on the same route
+        head = model.lm_head.weight
+        assert head.dense_rows and head.int4 and head.isa == cpu24.A8_ISA and head.group == group
+        assert model.model.embed_tokens.weight is head  # one 4-bit table
+        codes, scales = reference.int4_groups(dense["model.embed_tokens.weight"].float(), group)
+        assert torch.equal(head.dense(), (codes * scales.repeat_interleave(group, dim=1)).to(torch.bfloat16))
+        assert head.nbytes_packed <= head.numel() * (4 + 16 / group) / 8 + 8 * head.shape[1]  # plus padding rows
+        held.pop("model.embed_tokens.weight")  # the tied head's name
         assert len(held) == 14 and all(p.group == group and p.isa == cpu24.A8_ISA for p in held.values())
-        assert model.lm_head.weight.dense_rows and model.lm_head.weight.isa == cpu24.A8_ISA
         assert all("4-bit values" in decisions[name].reason for name in held)
         for name, p in held.items():
             codes, scales = reference.int4_groups(dense[name].float(), group)
@@ -61,6 +67,24 @@ def test_every_2_4_weight_holds_the_definitions_grid_and_the_model_runs_on_it(gr
         pack_weights(model, measure=False)  # bits=None keeps the 4-bit weights on their route
         assert all(p.int4 and p.isa == cpu24.A8_ISA for p in int4_weights(model).values())
         assert model.lm_head.weight.isa == cpu24.A8_ISA
+
+
+def test_the_head_takes_int8_rows_on_request_and_its_embedding_looks_rows_up():
+    model = llama()
+    with torch.no_grad():
+        expected = copy.deepcopy(model)
+        pack_weights(model, bits=4, head_bits=8, measure=False)
+        head = model.lm_head.weight
+        assert head.dense_rows and not head.int4 and head.isa == cpu24.A8_ISA
+        pack_weights(expected, bits=4, measure=False)
+        ids = torch.tensor([[3, 0, 255, 17]])
+        for m in (model, expected):  # the tied embedding: the rows of the table, dequantized
+            table = m.lm_head.weight.dense()
+            torch.testing.assert_close(m.model.embed_tokens(ids), table[ids], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"head_bits=4 with bits=8"):
+        pack_weights(llama(), bits=8, head_bits=4, measure=False)
+    with pytest.raises(ValueError, match=r"the output head lm_head holds 4-bit rows in groups of 64; head_bits=8"):
+        pack_weights(expected, bits=4, head_bits=8, measure=False)
 
 
 def test_a_layer_whose_width_is_not_a_multiple_of_the_group_keeps_float_values_and_says_so():

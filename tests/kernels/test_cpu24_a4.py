@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import reference
 from nmcompile import pack
 from nmcompile.kernels import cpu24
-from nmcompile.kernels.cpu24.quantize import dense4, position_index, quantize_layout4
+from nmcompile.kernels.cpu24.quantize import dense4, dense_rows4, position_index, quantize_dense4, quantize_layout4
 
 pytestmark = pytest.mark.skipif("avx2" not in cpu24.isas(), reason="the 4-bit route needs AVX2")
 
@@ -57,6 +57,25 @@ def test_4_bit_values_match_the_definition(dtype, out_f, in_f, group):
     check(op(x, codes, index, scales, None, out_f, group, -1, A8), x, ref_codes, ref_scales, None)
     x3 = torch.randn(2, 3, in_f).to(dtype)
     check(op(x3, codes, index, scales, None, out_f, group, -1, A8), x3, ref_codes, ref_scales, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_f,in_f,group", SHAPES)
+def test_dense_4_bit_rows_match_the_definition(dtype, out_f, in_f, group):
+    g = torch.Generator().manual_seed(in_f)
+    w = (torch.randn(out_f, in_f, generator=g) * torch.rand(out_f, 1, generator=g)).to(dtype)
+    values, scales = quantize_dense4(w, group)
+    ref_codes, ref_scales = reference.int4_groups(w, group)
+    assert torch.equal(dense_rows4(values, scales, group)[:out_f].double(),
+                       ref_codes * ref_scales.repeat_interleave(group, dim=1))
+    op = torch.ops.nmsparse.cpu24_dense_q4
+    bias = torch.randn(out_f).to(dtype)
+    for tokens in (0, 1, 2, 5, 9):
+        x = torch.randn(tokens, in_f).to(dtype)
+        check(op(x, values, scales, bias, out_f, group, -1, A8), x, ref_codes, ref_scales, bias)
+    x = torch.randn(6, in_f).to(dtype)  # past max_tokens: the dense GEMM on the dequantized weight
+    w4 = (ref_codes * ref_scales.repeat_interleave(group, dim=1)).to(dtype)
+    assert torch.equal(op(x, values, scales, bias, out_f, group, 5, A8), F.linear(x, w4, bias))
 
 
 @pytest.mark.parametrize("group", (64, 128))

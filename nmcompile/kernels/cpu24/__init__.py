@@ -327,6 +327,10 @@ def _register_python_parts() -> None:
     def _(x, values, bits, scales, bias, out_features, group, max_tokens, isa):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("nmsparse::cpu24_dense_q4")
+    def _(x, values, scales, bias, out_features, group, max_tokens, isa):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake("nmsparse::cpu24_dense_q8")
     def _(x, values, scales, bias, out_features, max_tokens, isa):
         return x.new_empty((*x.shape[:-1], out_features))

@@ -196,21 +196,28 @@ inline void sparse_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
             hsum(acc[r][t]) + (Q4 ? 0.0f : tail(a, v0, b0, r0 + r, q + t * kq, d + t * (kq / 8), false)));
 }
 
-// the same for a dense int8 weight (every position kept, no bits)
-template <int RP, int TT>
+// the same for a dense int8 weight (every position kept, no bits); Q4: a dense 4-bit one (NM24_I4_DENSE), a row's
+// step 32 bytes: the low nibbles its words [0 | 2], the high ones [1 | 3] (offset by 8), a scale per row and group
+template <int RP, int TT, bool Q4>
 inline void dense_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
   const int64_t words = a.k / 16, steps = words / 4, kq = a.kp;
-  const auto* v0 = static_cast<const int8_t*>(a.values) + group * words * G * 16;
+  constexpr int kStepBytes = Q4 ? G * 32 : 4 * G * 16;
+  const auto* v0 = static_cast<const int8_t*>(a.values) + group * (Q4 ? steps * kStepBytes : words * G * 16);
   const auto* q = static_cast<const int8_t*>(a.x) + t0 * kq;
   const float* d = a.xscales + t0 * (kq / 8);
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  const uint16_t* ws0 = Q4 ? a.wscales + group * (a.k / a.wgroup) * G : nullptr;
+  const int64_t steps_per_scale = Q4 ? a.wgroup / 64 : 1;
+  alignas(32) float wsf[G];
   __m256 acc[RP][TT];
   for (int r = 0; r < RP; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
   const int8_t* v = v0;
-  for (int64_t s = 0; s < steps; ++s, v += 4 * G * 16) {
+  for (int64_t s = 0; s < steps; ++s, v += kStepBytes) {
     if (RP == G)
-      for (int line = 0; line < 4 * G * 16; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(v) + a.prefetch_bytes + line);
+      for (int line = 0; line < kStepBytes; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(v) + a.prefetch_bytes + line);
+    if (Q4 && s % steps_per_scale == 0)
+      _mm256_store_ps(wsf, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws0 + s / steps_per_scale * G))));
     __m256i xa[TT], xb[TT], ua[TT], ub[TT];
     __m256 ds[TT];
     for (int t = 0; t < TT; ++t) {
@@ -221,27 +228,40 @@ inline void dense_tile(const Nm24Args& a, int64_t group, int r0, int64_t t0) {
       ds[t] = _mm256_loadu_ps(d + t * (kq / 8) + s * 8);
     }
     for (int r = r0; r < r0 + RP; ++r) {
-      const __m256i wa = load2(v + r * 16, v + (2 * G + r) * 16), wb = load2(v + (G + r) * 16, v + (3 * G + r) * 16);
+      __m256i wa, wb;
+      if constexpr (Q4) {
+        const __m256i pk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + r * 32));
+        wa = _mm256_sub_epi8(_mm256_and_si256(pk, low4), eight);
+        wb = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(pk, 4), low4), eight);
+      } else {
+        wa = load2(v + r * 16, v + (2 * G + r) * 16);
+        wb = load2(v + (G + r) * 16, v + (3 * G + r) * 16);
+      }
       for (int t = 0; t < TT; ++t) {
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ua[t], _mm256_sign_epi8(wa, xa[t])), ones),
-                                           _mm256_madd_epi16(_mm256_maddubs_epi16(ub[t], _mm256_sign_epi8(wb, xb[t])), ones));
-        acc[r - r0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds[t], acc[r - r0][t]);
+        const __m256i pa = _mm256_maddubs_epi16(ua[t], _mm256_sign_epi8(wa, xa[t]));
+        const __m256i pb = _mm256_maddubs_epi16(ub[t], _mm256_sign_epi8(wb, xb[t]));
+        // 4-bit: the two halves' pair sums add in int16 (|sum| <= 4 * 127 * 8); int8 ones would overflow
+        const __m256i p = Q4 ? _mm256_madd_epi16(_mm256_add_epi16(pa, pb), ones)
+                             : _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones));
+        const __m256 scale = Q4 ? _mm256_mul_ps(ds[t], _mm256_broadcast_ss(wsf + r)) : ds[t];
+        acc[r - r0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r - r0][t]);
       }
     }
   }
   for (int r = 0; r < RP; ++r)
     for (int t = 0; t < TT; ++t)
-      store(a, group * G + r0 + r, t0 + t, hsum(acc[r][t]) + tail(a, v0, nullptr, r0 + r, q + t * kq, d + t * (kq / 8), true));
+      store(a, group * G + r0 + r, t0 + t,
+            hsum(acc[r][t]) + (Q4 ? 0.0f : tail(a, v0, nullptr, r0 + r, q + t * kq, d + t * (kq / 8), true)));
 }
 
-enum Kind { kSparse8, kDense8, kSparse4 };
+enum Kind { kSparse8, kDense8, kSparse4, kDense4 };
 
 // tokens [t0, t1) of rows [r0, r0 + RP) of a group: TT at a time, then the remainder
 template <Kind KIND, int RP, int TT>
 inline void tokens(const Nm24Args& a, int64_t group, int r0, int64_t t0, int64_t t1) {
   int64_t t = t0;
   for (; t + TT <= t1; t += TT) {
-    if constexpr (KIND == kDense8) dense_tile<RP, TT>(a, group, r0, t);
+    if constexpr (KIND == kDense8 || KIND == kDense4) dense_tile<RP, TT, KIND == kDense4>(a, group, r0, t);
     else sparse_tile<RP, TT, KIND == kSparse4>(a, group, r0, t);
   }
   if constexpr (TT > 1) {
@@ -268,6 +288,7 @@ void rows(const Nm24Args& a, int64_t r0, int64_t r1) {
 void nm24_rows_a8_avx2(const Nm24Args& a, int64_t r0, int64_t r1) {
   if (a.wdtype == NM24_I8_DENSE) rows<kDense8>(a, r0, r1);
   else if (a.wdtype == NM24_I4) rows<kSparse4>(a, r0, r1);
+  else if (a.wdtype == NM24_I4_DENSE) rows<kDense4>(a, r0, r1);
   else rows<kSparse8>(a, r0, r1);
 }
 

@@ -20,7 +20,9 @@ constexpr int NM24_GROUP = 8;
 // 2L, 2L + 1 the position of kept value j of the step's word L within its group of 4 (kept value j of a word is in
 // the word's group of 4 number j / 2): one 64-bit broadcast, a shift by (0, 2, 4, 6) and an `and` make the
 // kernel's pairing control
-enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2, NM24_I8 = 3, NM24_I8_DENSE = 4, NM24_I4 = 5 };
+// NM24_I4_DENSE: a dense 4-bit weight, values [groups, K/64, NM24_GROUP, 32] uint8 (a row's step: the low nibbles
+// its words [0 | 2] in position order, the high ones [1 | 3]), scales as NM24_I4's, no bits
+enum Nm24Dtype : int { NM24_F32 = 0, NM24_BF16 = 1, NM24_F16 = 2, NM24_I8 = 3, NM24_I8_DENSE = 4, NM24_I4 = 5, NM24_I4_DENSE = 6 };
 
 struct Nm24Args {
   const void* x;          // [tokens, kp] activations, fp32 (bf16 for the bf16-pair kernels)

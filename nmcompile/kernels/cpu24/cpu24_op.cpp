@@ -15,6 +15,8 @@
 //     of the kept values and their positions as an index, an fp16 scale per row and group of `group` positions (64 or 128; NM24_I4 in
 //     cpu24_args.h, nmcompile/kernels/cpu24/quantize.py), on isa "avx2_a8" only; calls above max_tokens take
 //     the dense GEMM on W dequantized into the input's dtype for the call. No autograd.
+//   cpu24_dense_q4(x, values, scales, bias, out_features, group, max_tokens, isa): F.linear with a dense 4-bit weight
+//     (NM24_I4_DENSE), an fp16 scale per row and group; on isa "avx2_a8" only. No autograd.
 //   cpu24_isa() -> bits of what this CPU runs: 1 avx2+fma+f16c, 2 avx512 f/bw/vl, 4 avx512 vbmi2+bf16.
 //   cpu24_unpack(values, bits, out_features) -> the dense [out_features, K] weight.
 //   cpu24_split_probe(x, values, bits, out_features, isa, slow_thread, slow_us, route) -> (out, chunks per
@@ -306,6 +308,33 @@ at::Tensor dequantized4_for_gemm(const at::Tensor& values, const at::Tensor& ind
   return dense;
 }
 
+// a dense 4-bit weight (NM24_I4_DENSE) dequantized, in `dtype`: the dense route of cpu24_dense_q4 (a new tensor:
+// the output head, the one such weight of a model)
+at::Tensor dense4_for_gemm(const at::Tensor& values, const at::Tensor& scales, int64_t wgroup, int64_t n,
+                           at::ScalarType dtype) {
+  const int64_t steps = values.size(1), k = steps * 64, per_row = k / wgroup;
+  auto dense = at::empty({n, k}, values.options().dtype(at::kFloat));
+  const auto* v = values.data_ptr<uint8_t>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  float* d = dense.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t group = r / NM24_GROUP, within = r % NM24_GROUP;
+      for (int64_t s = 0; s < steps; ++s) {
+        const uint8_t* codes = v + ((group * steps + s) * NM24_GROUP + within) * 32;
+        const float scale = static_cast<float>(sc[(group * per_row + s * 64 / wgroup) * NM24_GROUP + within]);
+        float* out = d + r * k + s * 64;
+        for (int i = 0; i < 32; ++i) {  // byte i: words [0 | 2] low, [1 | 3] high
+          const int word = 2 * (i / 16), at = i % 16;
+          out[word * 16 + at] = static_cast<float>((codes[i] & 0x0F) - 8) * scale;
+          out[(word + 1) * 16 + at] = static_cast<float>((codes[i] >> 4) - 8) * scale;
+        }
+      }
+    }
+  });
+  return dense.to(dtype);
+}
+
 // x [tokens, k] (bf16, contiguous) as fp32 [tokens, kp], zero padded; and the fp32 product back in
 // bf16 (round to nearest even, as Tensor.to). Plain loops, not Tensor.to and constant_pad_nd: at one
 // token those cost some 4 us a call in dispatch and allocation, more than converting a few thousand
@@ -351,7 +380,7 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
   TORCH_CHECK(!isa.a8 || values.scalar_type() == at::kChar || q4, "nmsparse::cpu24_linear: isa '", std::string(isa_name),
               "' quantizes the activations for int8 and 4-bit weights (cpu24_linear_q8, cpu24_dense_q8, cpu24_linear_q4); ",
               values.scalar_type(), " weights take avx2, avx512 or avx512_bf16");
-  TORCH_CHECK(!q4 || isa.a8, "nmsparse::cpu24_linear_q4: 4-bit weights run on isa 'avx2_a8' only, got '",
+  TORCH_CHECK(!q4 || isa.a8, "nmsparse::cpu24_linear_q4, cpu24_dense_q4: 4-bit weights run on isa 'avx2_a8' only, got '",
               std::string(isa_name), "'");
   if (tokens == 0) return at::zeros(out_shape, x.options());
   const int64_t kp = (k + 31) / 32 * 32;
@@ -378,7 +407,7 @@ at::Tensor sparse_product(const at::Tensor& x, const at::Tensor& values, const a
   const auto* bits_ptr = bits.defined() ? static_cast<const uint16_t*>(bits.data_ptr())
                                         : static_cast<const uint16_t*>(values.data_ptr());
   Nm24Args a{xs.data_ptr(), tokens, k, kp, values.data_ptr(),
-             q4 ? NM24_I4 : bits.defined() ? wdtype_of(values.scalar_type()) : NM24_I8_DENSE,
+             q4 ? (bits.defined() ? NM24_I4 : NM24_I4_DENSE) : bits.defined() ? wdtype_of(values.scalar_type()) : NM24_I8_DENSE,
              bits_ptr, b32.defined() ? b32.data_ptr<float>() : nullptr,
              out.data_ptr<float>(), n, panel_bytes(), prefetch_bytes(), scales};
   if (q4) {
@@ -498,6 +527,33 @@ at::Tensor cpu24_linear_q4(const at::Tensor& x, const at::Tensor& values, const 
   return sparse_product(x, values, index, bias, n, isa_name, nullptr, nullptr, scales, group);
 }
 
+at::Tensor cpu24_dense_q4(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& bias, int64_t n, int64_t group, int64_t max_tokens,
+                          c10::string_view isa_name) {
+  const char* op = "nmsparse::cpu24_dense_q4";
+  TORCH_CHECK(values.dim() == 4 && values.size(2) == NM24_GROUP && values.size(3) == 32 && values.scalar_type() == at::kByte &&
+                  values.is_contiguous() && values.device().is_cpu(),
+              op, ": expected contiguous uint8 CPU values [groups, K/64, ", NM24_GROUP, ", 32], got ", shape_str(values),
+              " ", values.scalar_type());
+  const int64_t groups = values.size(0), k = values.size(1) * 64;
+  TORCH_CHECK(group == 64 || group == 128, op, ": group is 64 or 128 positions, got ", group);
+  TORCH_CHECK(k % group == 0, op, ": in_features ", k, " is not a multiple of group ", group);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == k / group && scales.size(2) == NM24_GROUP &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.device().is_cpu(),
+              op, ": expected contiguous fp16 CPU scales [", groups, ", ", k / group, ", ", NM24_GROUP, "], got ",
+              shape_str(scales), " ", scales.scalar_type());
+  TORCH_CHECK(n > (groups - 1) * NM24_GROUP && n <= groups * NM24_GROUP,
+              op, ": out_features ", n, " does not fit ", groups, " groups of ", NM24_GROUP, " rows");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": input ", shape_str(x), " does not match the weight's in_features ", k);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              " takes fp32, bf16 or fp16 inputs, got ", dtype);
+  const int64_t tokens = k ? x.numel() / k : 0;
+  if (max_tokens >= 0 && tokens > max_tokens)  // the dense GEMM on the weight dequantized for the call
+    return at::linear(x, dense4_for_gemm(values, scales, group, n, dtype), bias);
+  return sparse_product(x, values, at::Tensor(), bias, n, isa_name, nullptr, nullptr, scales, group);
+}
+
 // cpu24_linear's sparse product with thread `slow_thread` (0 the caller, 1.. the others) sleeping
 // slow_us before each chunk it claims, on `route` (-1 as a real call decides, 1 the OpenMP team, 2
 // the inter-op pool); returns the output, the chunks each thread computed, the route taken (0 one
@@ -523,6 +579,7 @@ TORCH_LIBRARY_FRAGMENT(nmsparse, m) {
   m.def("cpu24_linear(Tensor x, Tensor values, Tensor bits, Tensor? bias, Tensor? weight, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_linear_q8(Tensor x, Tensor values, Tensor bits, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_linear_q4(Tensor x, Tensor values, Tensor index, Tensor scales, Tensor? bias, int out_features, int group, int max_tokens, str isa) -> Tensor");
+  m.def("cpu24_dense_q4(Tensor x, Tensor values, Tensor scales, Tensor? bias, int out_features, int group, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_dense_q8(Tensor x, Tensor values, Tensor scales, Tensor? bias, int out_features, int max_tokens, str isa) -> Tensor");
   m.def("cpu24_unpack(Tensor values, Tensor bits, int out_features) -> Tensor");
   m.def("cpu24_isa() -> int");
@@ -534,6 +591,7 @@ TORCH_LIBRARY_IMPL(nmsparse, CPU, m) {
   m.impl("cpu24_linear_q8", cpu24_linear_q8);
   m.impl("cpu24_dense_q8", cpu24_dense_q8);
   m.impl("cpu24_linear_q4", cpu24_linear_q4);
+  m.impl("cpu24_dense_q4", cpu24_dense_q4);
   m.impl("cpu24_unpack", cpu24_unpack);
   m.impl("cpu24_split_probe", cpu24_split_probe);
 }

@@ -36,7 +36,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["LEVELS", "ON_GRID", "ON_GRID_BF16", "on_grid", "row_scales", "round_rows", "grid_codes", "quantize_layout", "quantize_dense",
-           "dense_rows", "GROUP_SIZES", "LOW4", "HIGH4", "group_scales", "position_index", "quantize_layout4", "dense4"]
+           "dense_rows", "GROUP_SIZES", "LOW4", "HIGH4", "group_scales", "position_index", "quantize_layout4", "dense4",
+           "quantize_dense4", "dense_rows4"]
 
 #: the largest int8 code used: the grid is -LEVELS..LEVELS
 LEVELS = 127
@@ -207,3 +208,40 @@ def dense4(codes: Tensor, index: Tensor, scales: Tensor, group: int, out_feature
     dense = torch.zeros(ngroups * rows, steps, 4, 16)
     dense.scatter_(3, position, kept * d[:, :, None, None])
     return dense.view(ngroups * rows, k)[:out_features]
+
+
+def _codes4(groups: Tensor, scales: Tensor) -> Tensor:
+    """Offset codes (0..15, uint8) of ``groups`` ``[..., n]`` on the fp16 ``scales`` ``[...]`` (0 where a scale is 0)."""
+    d = scales.float()[..., None]
+    codes = torch.where(d != 0, torch.round(groups.float() / torch.where(d != 0, d, 1.0)), 0.0).clamp_(LOW4, HIGH4)
+    return (codes + 8).to(torch.uint8)
+
+
+def quantize_dense4(weight: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """``(values, scales)`` of a dense ``[N, K]`` weight as 4-bit rows (``nmsparse::cpu24_dense_q4``; the output head):
+    the grid of :func:`group_scales` over every position, values uint8 ``[groups, K/64, GROUP, 32]`` (a row's step:
+    the low nibbles its words 0 and 2 in position order, the high ones words 1 and 3), fp16 scales ``[groups,
+    K/group, GROUP]``; ``N`` padded with zero rows to whole groups of ``GROUP``."""
+    from . import GROUP
+
+    n, k = weight.shape
+    _check_group(group, k)
+    rows = torch.cat([weight.float(), weight.new_zeros(-n % GROUP, k, dtype=torch.float32)])
+    scales = group_scales(rows, 2 * group)  # every position kept: `group` values a scale
+    codes = _codes4(rows.view(rows.shape[0], k // group, group), scales).view(rows.shape[0], k // 64, 4, 16)
+    lo, hi = codes[:, :, [0, 2]].flatten(2), codes[:, :, [1, 3]].flatten(2)  # [rows, steps, 32]
+    values = (lo | (hi << 4)).view(-1, GROUP, k // 64, 32).transpose(1, 2).contiguous()
+    return values, scales.view(-1, GROUP, k // group).transpose(1, 2).contiguous()
+
+
+def dense_rows4(values: Tensor, scales: Tensor, group: int, rows: Tensor | None = None) -> Tensor:
+    """fp32 ``[len(rows), K]`` of :func:`quantize_dense4`'s layout: the rows ``rows`` (all where None), dequantized."""
+    ngroups, steps, g, _ = values.shape
+    k = steps * 64
+    flat = values.transpose(1, 2).reshape(ngroups * g, steps, 32)
+    d = scales.transpose(1, 2).reshape(ngroups * g, k // group)
+    if rows is not None:
+        flat, d = flat.index_select(0, rows), d.index_select(0, rows)
+    lo, hi = (flat & 0x0F).view(-1, steps, 2, 16), (flat >> 4).view(-1, steps, 2, 16)
+    codes = torch.stack([lo[:, :, 0], hi[:, :, 0], lo[:, :, 1], hi[:, :, 1]], 2).reshape(-1, k).float() - 8
+    return codes * d.float().repeat_interleave(group, dim=1)

@@ -56,7 +56,7 @@ class PackedLinearWeight(Tensor):
         outer = (in_f, out_f) if transposed else (out_f, in_f)
         if (scales is None) != (values.dtype not in (torch.int8, torch.uint8)) \
                 or (scales is not None and dtype not in cpu24.DTYPES) or (bits is None and scales is None) \
-                or (values.dtype == torch.uint8 and (bits is None or scales.dtype != torch.float16)):
+                or (values.dtype == torch.uint8 and scales.dtype != torch.float16):
             raise ValueError(f"PackedLinearWeight: int8 values need fp32 scales and 4-bit ones (uint8) fp16 group "
                              f"scales, both the activation dtype (one of {cpu24.DTYPES}); float values neither (and "
                              f"need position bits); got {values.dtype} values, scales "
@@ -72,8 +72,9 @@ class PackedLinearWeight(Tensor):
 
     @property
     def dense_rows(self) -> bool:
-        """Whether this is a dense int8 weight (every position kept, no position bits; :func:`~nmcompile.kernels.
-        cpu24.quantize.quantize_dense`), as an output head and its tied embedding are held."""
+        """Whether this is a dense int8 or 4-bit weight (every position kept, no position bits; :func:`~nmcompile.
+        kernels.cpu24.quantize.quantize_dense`, :func:`~nmcompile.kernels.cpu24.quantize.quantize_dense4`), as an
+        output head and its tied embedding are held."""
         return self.bits is None
 
     @property
@@ -200,7 +201,10 @@ class PackedLinearWeight(Tensor):
         their group's scale."""
         _require_kernel()
         if self.int4:
-            w = quantize.dense4(self.values, self.bits, self.scales, self.group, self.weight_shape[0]).to(self.dtype)
+            n = self.weight_shape[0]
+            w = quantize.dense_rows4(self.values, self.scales, self.group)[:n] if self.dense_rows else \
+                quantize.dense4(self.values, self.bits, self.scales, self.group, n)
+            w = w.to(self.dtype)
             return w.t() if self.transposed else w
         if self.dense_rows:
             w = quantize.dense_rows(self.values, self.weight_shape[0])
@@ -226,14 +230,17 @@ class PackedLinearWeight(Tensor):
         return out
 
     def _rows(self, indices: Tensor) -> Tensor:
-        """``F.embedding(indices, W)`` of a dense int8 weight: only the rows looked up are dequantized."""
+        """``F.embedding(indices, W)`` of a dense int8 or 4-bit weight: only the rows looked up are dequantized."""
         n = self.weight_shape[0]
         if not torch.compiler.is_compiling() and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
             raise IndexError(f"embedding: an index is out of range for a table of {n} rows (got {int(indices.min())} to "
                              f"{int(indices.max())})")
         flat = indices.reshape(-1)
-        rows = quantize.dense_rows(self.values, n).index_select(0, flat)
-        out = (rows.float() * self.scales.index_select(0, flat)[:, None]).to(self.dtype)
+        if self.int4:
+            out = quantize.dense_rows4(self.values, self.scales, self.group, flat).to(self.dtype)
+        else:
+            rows = quantize.dense_rows(self.values, n).index_select(0, flat)
+            out = (rows.float() * self.scales.index_select(0, flat)[:, None]).to(self.dtype)
         return out.reshape(*indices.shape, self.weight_shape[1])
 
     def _inner(self) -> tuple[Tensor, ...]:
@@ -252,6 +259,10 @@ class PackedLinearWeight(Tensor):
     def _linear(self, x: Tensor, bias) -> Tensor:
         """``F.linear(x, W, bias)`` on the kernel, ``W`` the ``[out, in]`` weight this holds."""
         _require_kernel()
+        if self.dense_rows and self.int4:
+            return torch.ops.nmsparse.cpu24_dense_q4(
+                x, self.values, self.scales, bias, self.weight_shape[0], self.group, self.max_tokens, self.isa
+            )
         if self.dense_rows:
             return torch.ops.nmsparse.cpu24_dense_q8(
                 x, self.values, self.scales, bias, self.weight_shape[0], self.max_tokens, self.isa or "avx2"
