@@ -133,7 +133,7 @@ def wanda(w, x, n, m):
     return w * topn_mask(score, n, m, dim=1)
 
 
-def sparsegpt(w, x, n, m, percdamp=0.01, update=True, scales=None):
+def sparsegpt(w, x, n, m, percdamp=0.01, update=True, scales=None, levels=(-127, 127)):
     """SparseGPT (Frantar & Alistarh 2023), column by column with explicit inverse Hessians.
 
     H = X^T X / T, dead inputs (H_jj = 0) get H_jj = 1 and a zero weight, then H += percdamp * mean(diag H) I.
@@ -143,8 +143,9 @@ def sparsegpt(w, x, n, m, percdamp=0.01, update=True, scales=None):
     (0 if pruned, else w_j), and the OBS update moves its error onto the free columns:
     W[:, F] -= (w_j - q) / [H_F^-1]_00 * [H_F^-1]_0,: .
     With ``scales`` (one per row: the joint sparsification and quantization of the paper's section 3.5), a kept
-    entry's target is its row's nearest grid point, q = clamp(round(w_j / s), -127, 127) * s.
-    Returns (new weight, keep mask).
+    entry's target is its row's nearest grid point, q = clamp(round(w_j / s), lo, hi) * s (``levels=(lo, hi)``);
+    ``scales`` ``[rows, cols / group]`` (4-bit grids): column j takes its group's scales, s = scales[:, j // group],
+    and a zero scale holds zero. Returns (new weight, keep mask).
     """
     w0 = w.double()
     x = x.double()
@@ -163,7 +164,11 @@ def sparsegpt(w, x, n, m, percdamp=0.01, update=True, scales=None):
             order = torch.sort(-score, dim=1, stable=True).indices
             group = torch.zeros_like(score, dtype=torch.bool).scatter_(1, order[:, :n], True)
             keep[:, j:j + m] = group
-        kept = w[:, j] if scales is None else torch.round(w[:, j] / scales.double()).clamp(-127, 127) * scales.double()
+        if scales is None:
+            kept = w[:, j]
+        else:
+            s = scales.double() if scales.dim() == 1 else scales.double()[:, j // (cols // scales.shape[1])]
+            kept = torch.where(s != 0, torch.round(w[:, j] / torch.where(s != 0, s, 1.0)), 0.0).clamp(*levels) * s
         q = torch.where(keep[:, j], kept, torch.zeros_like(w[:, j]))
         w[:, j:] -= ((w[:, j] - q) / inv[j][0, 0]).unsqueeze(1) * inv[j][0].unsqueeze(0)
         w[:, j] = q

@@ -14,7 +14,13 @@ weights again:
 - ``sparsegpt+joint``: ``sparsegpt:2:4,bits=8``, each kept column rounded to the grid in the sweep, its error
   carried into the columns not yet solved;
 - ``...+a8``: that model held packed (``pack_weights(model, bits=8, activations="int8")``) and run on the int8
-  kernel with each call's activations quantized to int8 in blocks of 32: what the activations' rounding adds.
+  kernel with each call's activations quantized to int8 in blocks of 32: what the activations' rounding adds;
+- ``...+rtn4``: the 2:4 solve's kept values rounded to nearest on 4-bit grids, an fp16 scale per row and 64
+  positions (what ``pack_weights(model, bits=4)`` does to a float solve), and ``+rtn4+a8`` that model on the
+  4-bit kernel; ``dense+rtn4``: the dense model's same weights (every position kept) on the same grids, no
+  pruning: the int4 reference a quantization user knows, at 4.25 bits a weight against 2:4+int4's 3.25;
+- ``sparsegpt+joint4``: ``sparsegpt:2:4,bits=4`` (the joint solve on 4-bit grids, groups of 64), ``+a8`` on the
+  4-bit kernel.
 
 The loss is the held-out loss of the pruned model (no fine-tune): its weights hold code times scale, the
 values the int8 kernel multiplies. Rows go to a JSON-lines file (appended; done rows skipped); ``--markdown``
@@ -27,6 +33,7 @@ prints the table of means and the targets (joint within 0.005 nats of 2:4 alone,
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -44,12 +51,15 @@ from benchmarks.toolbox import RESULTS as RESULTS_DIR  # noqa: E402
 from nmcompile.app.datasets import CharCorpus, shakespeare  # noqa: E402
 from nmcompile.app.run import train_run  # noqa: E402
 from nmcompile.deploy import pack_weights  # noqa: E402
-from nmcompile.kernels.cpu24.quantize import round_rows  # noqa: E402
+from nmcompile.kernels.cpu24.quantize import round_groups4, round_rows  # noqa: E402
 from nmcompile.state.records import deployed_of, owners  # noqa: E402
 
 RESULTS = str(RESULTS_DIR / "quality_int8.jsonl")
 METHODS = ("sparsegpt", "sparsegpt+rtn", "sparsegpt+joint", "wanda", "wanda+rtn", "sparsegpt+rtn+a8", "sparsegpt+joint+a8",
-           "wanda+rtn+a8")
+           "wanda+rtn+a8", "sparsegpt+rtn4", "sparsegpt+joint4", "wanda+rtn4", "sparsegpt+rtn4+a8", "sparsegpt+joint4+a8",
+           "dense+rtn4")
+#: the 4-bit rows' group (positions a scale covers)
+GROUP4 = 64
 MODELS = ("gpt", "llama")
 
 
@@ -90,18 +100,26 @@ def dense_model(model: str, task: Task, corpus, results_dir: str) -> nn.Module:
 def pruned_loss(model: nn.Module, method: str, task: Task, calib, exclude) -> tuple[float, float]:
     """``(held-out loss, seconds)`` of ``model`` pruned 2:4 in one shot by ``method``."""
     base, *extra = method.split("+")
-    pattern = "2:4,bits=8" if "joint" in extra else "2:4"
-    seconds, _ = prune(model, base, pattern, calib, exclude)
-    if "rtn" in extra:
+    pattern = "2:4,bits=8" if "joint" in extra else f"2:4,bits=4,group={GROUP4}" if "joint4" in extra else "2:4"
+    if base == "dense":  # the weights a 2:4 row prunes, found on a copy; this model keeps every position
+        probe = copy.deepcopy(model)
+        prune(probe, "wanda", "2:4", calib, exclude)
+        targets = [(model.get_submodule(places[0][0]), places[0][2]) for _, places in owners(probe)
+                   if deployed_of(places[0][1], places[0][2]) is not None]
+        seconds = 0.0
+    else:
+        seconds, _ = prune(model, base, pattern, calib, exclude)
+        targets = [(places[0][1], places[0][2]) for _, places in owners(model)
+                   if deployed_of(places[0][1], places[0][2]) is not None]
+    if "rtn" in extra or "rtn4" in extra:
         with torch.no_grad():
-            for _, places in owners(model):
-                _, module, pname = places[0]
-                if deployed_of(module, pname) is not None:
-                    weight = module._parameters[pname]
-                    weight.copy_(round_rows(weight.detach())[0])
+            for module, pname in targets:
+                weight = module._parameters[pname]
+                weight.copy_(round_rows(weight.detach())[0] if "rtn" in extra else round_groups4(weight.detach(), GROUP4))
     model.eval()
-    if "a8" in extra:  # the int8 kernel itself, the activations quantized at each call
-        pack_weights(model, bits=8, measure=False, head=None, activations="int8")
+    if "a8" in extra:  # the int8 or 4-bit kernel itself, the activations quantized at each call
+        bits = 4 if "rtn4" in extra or "joint4" in extra else 8
+        pack_weights(model, bits=bits, group=GROUP4, measure=False, head=None, activations="int8")
     with torch.no_grad():
         return float(task.evaluate(model)), seconds
 
@@ -160,11 +178,18 @@ def markdown(results: str) -> str:
             gap = (f"{statistics.fmean(over):+.4f} ({', '.join(f'{o:+.4f}' for o in over)})"
                    if "+" in method and over else "")
             lines.append(f"| {model} | {method} | {len(mine)} | {dense:.4f} | {mean:.4f} ± {std:.4f} | {gap} |")
-            if "+" in method and over:
-                target = 0.005 if "joint" in method else 0.01
+            if "+" in method and over and "rtn4" not in method and base != "dense":  # 4-bit: the joint solve's
+                target = 0.03 if "joint4" in method else 0.005 if "joint" in method else 0.01
                 held = max(over) <= target
                 verdicts.append(f"- {model} {method}: at most {target} nats over {base} 2:4 in every seed: "
                                 f"**{'met' if held else 'missed'}** (worst {max(over):+.4f})")
+    for model in MODELS:  # the joint 4-bit solve against rounding the float solve, per seed
+        pairs = {(r["method"], r["seed"]): r["oneshot_eval"] for r in rows if r["model"] == model}
+        seeds = sorted(s for m, s in pairs if m == "sparsegpt+joint4" and ("sparsegpt+rtn4", s) in pairs)
+        if seeds:
+            gains = [pairs[("sparsegpt+rtn4", s)] - pairs[("sparsegpt+joint4", s)] for s in seeds]
+            verdicts.append(f"- {model} sparsegpt+joint4 below sparsegpt+rtn4 in every seed: "
+                            f"**{'met' if min(gains) > 0 else 'missed'}** (by {', '.join(f'{g:+.4f}' for g in gains)})")
     return "\n".join(lines + [""] + verdicts)
 
 

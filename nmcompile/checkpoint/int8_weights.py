@@ -44,6 +44,12 @@ def grids_of(model: nn.Module, layout: Layout) -> dict[str, Tensor]:
     out = {}
     for name, places in owners(model):
         _, module, pname = places[0]
+        if records.get(module, records.INT4, pname) is not None:
+            raise NotImplementedError(
+                f"nmcompile.deploy.save_pretrained: {name} holds a one-shot solve's 4-bit grid, which saved folders "
+                "cannot record yet: its values would load back as float weights and pack_weights(bits=4) would round "
+                "them again on a grid of its own, not the solve's. Serve it from this process "
+                "(nmcompile.deploy.pack_weights(model)), or solve with bits=8 (saved with its grid) to save it")
         grid = records.get(module, records.INT8, pname)
         entry = layout.weights.get(name)
         if entry is not None and grid is not None and len(entry.shape) == 2:  # what the 2:4 int8 kernel takes

@@ -27,7 +27,7 @@ from ..kernels import cpu24
 from ..kernels.dispatch import DECISION_ATTR, Decision
 from ..kernels.format24 import (DAMAGED_HINT, META_SUFFIX, Packed24, packed_record, lost_metadata, pack, packed_dims,
                                unpack)
-from ..kernels.cpu24.quantize import GROUP_SIZES, quantize_dense, quantize_dense4
+from ..kernels.cpu24.quantize import GROUP_SIZES, quantize_dense, quantize_dense4, to_codes
 from ..kernels.cpu24.weight import PackedLinearWeight
 from ..pattern import NMPattern
 from ..state import records
@@ -191,17 +191,25 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
     state = cpu24.status()
     if bits is None and any(records.get(p[0][1], records.INT8, p[0][2]) is not None for _, p in owners(model)):
         bits = 8  # a one-shot solve with bits=8 put weights on int8 grids: they are served as int8
+    if bits is None and any(records.get(p[0][1], records.INT4, p[0][2]) is not None for _, p in owners(model)):
+        bits = 4  # a one-shot solve with bits=4: served as 4-bit, on the grids (and groups) it recorded
     rule_reason = {8: INT8_REASON, 4: INT4_REASON}.get(bits, "packed only")
     out: dict[str, Decision] = {}
+
+    def grid_of(module, pname, in_features):
+        """``(the grid a one-shot solve recorded or None, the weight's 4-bit group: the solve's, else group=)``."""
+        grid = records.get(module, records.INT4 if bits == 4 else records.INT8, pname) if bits else None
+        return grid, in_features // grid.shape[-1] if bits == 4 and grid is not None else group
 
     def hold(module, pname, tensor, reason, trainable, places, name):
         """``tensor`` as the layer's weight, its range decided (``reason``: the decision's, else from ``bits``);
         quantized first where ``bits`` asks."""
         reason = reason or rule_reason
-        if bits == 4 and tensor.weight_shape[1] % group:
-            reason = f"packed only, float values: in_features {tensor.weight_shape[1]} is not a multiple of group={group}"
+        grid, own = grid_of(module, pname, tensor.weight_shape[1])
+        if bits == 4 and tensor.weight_shape[1] % own:
+            reason = f"packed only, float values: in_features {tensor.weight_shape[1]} is not a multiple of group={own}"
         elif bits in (8, 4) and not tensor.quantized:
-            tensor, how = tensor.to_codes(bits, isa8, records.get(module, records.INT8, pname), group)
+            tensor, how = to_codes(tensor, bits, isa8, grid, own)
             reason = f"{rule_reason}; {how}"
         decision = RangeRule(isinstance(getattr(module, "bias", None), torch.Tensor), measure, reason).decide(tensor)
         set_packed(module, pname, tensor, decision, trainable, places)
@@ -215,7 +223,8 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
             continue
         if isinstance(param, PackedLinearWeight):
             held = f"4-bit values in groups of {param.group}" if param.int4 else "int8 values" if param.quantized else ""
-            if held and bits in (8, 4) and held != ("int8 values" if bits == 8 else f"4-bit values in groups of {group}"):
+            own = grid_of(module, pname, param.weight_shape[1])[1]
+            if held and bits in (8, 4) and held != ("int8 values" if bits == 8 else f"4-bit values in groups of {own}"):
                 raise ValueError(f"nmcompile.deploy.pack_weights: {name} holds {held}; bits={bits} rounds float values "
                                  "(a second rounding from another grid is not the weight's own): call "
                                  "nmcompile.deploy.unpack_weights(model) first, or pack with what it holds")

@@ -193,6 +193,7 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
     folders.clean_stale(directory, what)
     staging = folders.staging(directory)
     try:
+        grids = grids_of(model, layout) if hf else {}  # first: a grid that cannot be saved stops it before writing
         if hf:
             model.save_pretrained(staging, safe_serialization=True, **save_kwargs)
             layout.saved = _saved_names(model, layout, staging)
@@ -200,7 +201,6 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
             torch.save(model, os.path.join(staging, "model.pt"))
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        grids = grids_of(model, layout) if hf else {}
         if grids:  # weights on int8 grids: their codes beside the dense files (which hold code times scale)
             write_int8(model, layout, grids, os.path.join(staging, INT8_FILE))
         why = _why_not_packed(model, layout, staging) if packed else None

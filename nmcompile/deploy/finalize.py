@@ -194,15 +194,16 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     with torch.no_grad():
         for name, ann, weight, record in baked:
             grid = solved[name].scales if name in solved else None
+            key = records.INT4 if name in solved and solved[name].bits == 4 else records.INT8
             for _, module, pname in places_of[name]:
                 param = module._parameters[pname]
                 param.copy_(weight)
                 detach_recipe(module, pname)
                 records.put(module, DEPLOYED, pname, record)
-                if grid is not None:  # the int8 grid of a one-shot solve with bits=8, for pack_weights
-                    records.put(module, records.INT8, pname, grid)
-                else:
-                    records.drop(module, records.INT8, pname)
+                records.drop(module, records.INT8, pname)
+                records.drop(module, records.INT4, pname)
+                if grid is not None:  # the grid of a one-shot solve with bits=8 or 4, for pack_weights
+                    records.put(module, key, pname, grid)
             report[name] = record
     if changed:
         warnings.warn(

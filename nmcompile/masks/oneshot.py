@@ -83,16 +83,22 @@ def one_thread():
 
 def sparsegpt(w: torch.Tensor, xtx: torch.Tensor, tokens: int, n: int, m: int, *, blocksize: int = 128,
               percdamp: float = 0.01, update: bool = True, scales: torch.Tensor | None = None,
-              levels: int = 127) -> torch.Tensor:
+              levels: int | tuple[int, int] = 127) -> torch.Tensor:
     """SparseGPT's N:M pruning of ``w`` given ``xtx = X^T X`` over ``tokens`` rows of ``X``.
 
     ``update=False`` keeps the mask the algorithm chooses and returns the original weights under it.
-    ``scales`` (fp32, one per row): every kept entry ends on its row's grid ``k * s`` (``|k| <= levels``); with
-    ``update`` its rounding error is moved onto the later columns (the joint solve), without it the kept
-    originals are rounded to nearest. Raises :class:`SingularHessian` when the damped Hessian cannot be factored.
+    ``scales`` (one per row, or ``[rows, cols / group]``: one per row and group of columns): every kept entry
+    ends on its grid ``k * s`` (``|k| <= levels``, or ``lo <= k <= hi`` for ``levels=(lo, hi)``; a zero scale
+    holds zeros only); with ``update`` its rounding error is moved onto the later columns (the joint solve),
+    without it the kept originals are rounded to nearest. Raises :class:`SingularHessian` when the damped
+    Hessian cannot be factored.
     """
     original = w.float()
-    grid = None if scales is None else scales.float()
+    lo, hi = (-levels, levels) if isinstance(levels, int) else levels
+    grid = None
+    if scales is not None:  # each column's scales, [cols, rows]
+        grid = scales.float()
+        grid = grid.unsqueeze(0) if grid.dim() == 1 else grid.t().repeat_interleave(w.shape[1] // grid.shape[1], dim=0)
     upper, dead = inverse_hessian_factor(xtx, tokens, percdamp)
     # columns as rows (contiguous): the column sweep reads and updates whole rows of wt
     wt = original.t().contiguous()
@@ -119,7 +125,7 @@ def sparsegpt(w: torch.Tensor, xtx: torch.Tensor, tokens: int, n: int, m: int, *
                     block[i:].addr_(u[i, i:], e, alpha=-1.0)
                     block[i].masked_fill_(pruned[start + i], 0.0)
                 else:  # kept entries to their row's grid, pruned ones to zero: both errors move on
-                    target = _on_grid(col, grid, levels).masked_fill_(pruned[start + i], 0.0)
+                    target = _on_grid(col, grid[(start + i) % grid.shape[0]], lo, hi).masked_fill_(pruned[start + i], 0.0)
                     e = (col - target) / u[i, i]
                     block[i:].addr_(u[i, i:], e, alpha=-1.0)
                     block[i].copy_(target)
@@ -127,10 +133,12 @@ def sparsegpt(w: torch.Tensor, xtx: torch.Tensor, tokens: int, n: int, m: int, *
         wt[end:].addmm_(upper[start:end, end:].t(), err, alpha=-1.0)
     if not update:
         kept = original.masked_fill(pruned.t(), 0.0)
-        return kept if grid is None else _on_grid(kept.t(), grid, levels).t().contiguous()
+        return kept if grid is None else _on_grid(kept.t(), grid.expand(cols, rows), lo, hi).t().contiguous()
     return wt.masked_fill_(pruned, 0.0).t().contiguous()
 
 
-def _on_grid(cols: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
-    """Each entry of ``cols`` (``[..., rows]``, row ``r`` scaled by ``scales[r]``) rounded to its row's grid."""
-    return torch.round(cols / scales).clamp_(-levels, levels).mul_(scales)
+def _on_grid(cols: torch.Tensor, scales: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Each entry of ``cols`` rounded to its grid (``scales`` broadcast against it; codes ``lo..hi``; 0 where a
+    scale is 0)."""
+    safe = torch.where(scales != 0, scales, torch.ones_like(scales))
+    return torch.round(cols / safe).clamp_(lo, hi).mul_(scales)

@@ -236,7 +236,7 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
             block, names = model.get_submodule(prefix), of_prefix[prefix]
             counts = [state_of(items[n][0][0][1], items[n][0][0][2], items[n][1])[1] for n in names]
             notes: dict[str, list[str]] = {}
-            grids: dict[str, torch.Tensor | None] = {}
+            grids: dict[str, tuple] = {}
             with raised(block, compute):
                 compiled = torch.compile(block, backend="nmsparse", options=options)
                 with torch.no_grad():
@@ -253,7 +253,7 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
                         for _, module, pname in places:
                             module._parameters[pname].copy_(result.weight)
                         notes[name] = result.notes
-                        grids[name] = result.scales
+                        grids[name] = (result.scales, result.bits)
                 written.append(prefix)
                 oneshot.reset(model, names)
                 if k + 1 < len(order):
@@ -269,7 +269,7 @@ def solve_cached(model: nn.Module, batches, *, options: dict | None = None, prog
                     inputs = outputs
             for name in names:  # the parameter back in its own dtype holds the solved weight
                 places = items[name][0]
-                solved[name] = oneshot.Solved(places[0][1]._parameters[places[0][2]].detach(), notes[name], grids[name])
+                solved[name] = oneshot.Solved(places[0][1]._parameters[places[0][2]].detach(), notes[name], *grids[name])
             del compiled
             memory.trim_heap()  # the block's temporaries (its solve, its raised copy) leave no resident pages
             if progress is not None:

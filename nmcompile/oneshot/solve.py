@@ -49,7 +49,9 @@ class NoCalibration(ValueError):
 class Solved:
     weight: torch.Tensor  # the new weight, in the parameter's dtype
     notes: list[str] = field(default_factory=list)  # named fallbacks
-    scales: torch.Tensor | None = None  # bits=8: fp32 [*experts, out rows], the grid each row's kept entries are on
+    scales: torch.Tensor | None = None  # bits=8: fp32 [*experts, out rows], the grid each row's kept entries are on;
+    # bits=4: fp16 [*experts, out rows, in / group]
+    bits: int | None = None
 
 
 def calibrated(model: nn.Module) -> list[tuple[str, list, object]]:
@@ -81,8 +83,14 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
         )
     columns = to_columns(param.float(), dim)
     out = torch.empty_like(columns)
-    scales = torch.ones(columns.shape[:-1]) if recipe.bits == 8 else None
     cols = columns.shape[-1]
+    if recipe.bits == 4 and cols % recipe.group:
+        raise ValueError(f"nmcompile.finalize: {name} ({recipe}): {cols} input columns are not a multiple of "
+                         f"group={recipe.group}; nothing was changed. Keep this layer at bits=8 or float values "
+                         "(exclude it from the bits=4 declaration)")
+    scales = {8: lambda: torch.ones(columns.shape[:-1]),
+              4: lambda: torch.ones(*columns.shape[:-1], cols // recipe.group, dtype=torch.float16)}.get(recipe.bits)
+    scales = scales() if scales else None
     notes: list[str] = []
     for index in itertools.product(*(range(size) for size in columns.shape[:-2])):
         where = name + (f"[expert {index[0] if len(index) == 1 else index}]" if index else "")
@@ -92,7 +100,7 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
             notes.append(f"{where}: no calibration token reached it (a graph break, an unused expert, or a layer "
                          "outside the compiled model); pruned by magnitude")
             if scales is not None:
-                out[index], scales[index] = _to_grid(out[index])
+                out[index], scales[index] = recipe.to_grid(out[index])
             continue
         if recipe.gram and tokens < cols:
             notes.append(f"{where}: {tokens} calibration tokens for {cols} input columns, so X^T X has rank <= "
@@ -106,18 +114,11 @@ def solve_one(name: str, module: nn.Module, pname: str, ann) -> Solved:
             notes.append(f"{where}: {err}; pruned by Wanda's score |W| * ||X|| instead, without updates "
                          f"(raise percdamp, e.g. {recipe.name}:{recipe.n}:{recipe.m},percdamp=0.1)")
             if scales is not None:
-                out[index], scales[index] = _to_grid(out[index])
+                out[index], scales[index] = recipe.to_grid(out[index])
     if not bool(torch.isfinite(out).all()):
         raise ValueError(f"nmcompile.finalize: {name} ({recipe}): the solve gave non-finite weights; nothing was "
                          "changed. Raise percdamp or calibrate on more tokens")
-    return Solved(from_columns(out, param.shape, dim).to(param.dtype).contiguous(), notes, scales)
-
-
-def _to_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [rows, cols]`` rounded to nearest on each row's int8 grid (scale: its largest magnitude over 127)."""
-    from ..kernels.cpu24.quantize import round_rows
-
-    return round_rows(w)
+    return Solved(from_columns(out, param.shape, dim).to(param.dtype).contiguous(), notes, scales, recipe.bits)
 
 
 def _live(stat: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -241,7 +242,8 @@ def solve_sequential(model: nn.Module, calibration, groups: list[list[str]] | No
                     for _, module, pname in places:
                         module._parameters[pname].copy_(result.weight)
                     # the parameter now holds it: no second copy of each solved weight grows with depth
-                    solved[name] = Solved(full(places[0][1]._parameters[places[0][2]].detach()), result.notes)
+                    solved[name] = Solved(full(places[0][1]._parameters[places[0][2]].detach()), result.notes,
+                                          result.scales, result.bits)
             reset(model, block)  # solved: its statistics' memory goes back before the next block's pass
             found = re.match(r"(.*?\.\d+)\.", block[0])
             written.append(found.group(1) if found else block[0])

@@ -30,7 +30,7 @@ from .trace import Trace
 if TYPE_CHECKING:  # the records sit below the recipes: the type alone, for readers and checkers
     from ..recipes.base import Recipe
 
-__all__ = ["RECIPES", "DEPLOYED", "INT8", "table", "get", "put", "drop", "owners", "root", "WeightAnnotation",
+__all__ = ["RECIPES", "DEPLOYED", "INT8", "INT4", "table", "get", "put", "drop", "owners", "root", "WeightAnnotation",
            "annotation_of", "deployed_of", "state_of", "state_dict_of", "Seen", "replaced", "refresh", "refresh_if_replaced",
            "state_shape_differs", "parametrized_reason", "left_dense", "unpause"]
 
@@ -39,6 +39,8 @@ DEPLOYED = "_nmcompile_deployed"  # {parameter attribute: Deployed}
 #: {parameter attribute: fp32 scales [*experts, out rows]}: a finalized weight a one-shot solve put on an int8 grid
 #: (``sparsegpt:2:4,bits=8``), one scale per output row; read by ``pack_weights``
 INT8 = "_nmcompile_int8"
+#: a one-shot solve's 4-bit grid of a weight (fp16 scales [out rows, in / group]), for pack_weights
+INT4 = "_nmcompile_int4"
 
 
 def table(module: nn.Module, kind: str) -> dict:

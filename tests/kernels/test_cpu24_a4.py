@@ -164,3 +164,19 @@ def test_the_index_holds_each_kept_values_position_in_its_group_of_four():
                 positions = w[row, step * 64 + word * 16:][:16].nonzero().flatten().tolist()
                 got = [4 * (j // 2) + ((int(index[row // 8, step, row % 8, j]) >> (2 * word)) & 3) for j in range(8)]
                 assert got == positions, (row, step, word)
+
+
+def test_round_groups4_is_the_grid_pack_weights_holds_and_a_given_grid_is_kept_or_refused():
+    from nmcompile.kernels.cpu24.quantize import round_groups4
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(24, 256, generator=g)
+    w = w * reference.topn_mask(w, 2, 4, -1)
+    codes, scales = reference.int4_groups(w, 64)
+    rounded = round_groups4(w, 64)
+    assert torch.equal(rounded.double(), codes * scales.repeat_interleave(64, dim=1))
+    p = pack(rounded)
+    values, bits = cpu24.cpu_layout(p.values, p.meta)
+    given = quantize_layout4(values, bits, 24, 64, scales.half())  # the values lie on that grid: its codes
+    assert given is not None and torch.equal(dense4(*given, 64, 24), rounded)
+    assert quantize_layout4(values * 1.3, bits, 24, 64, scales.half()) is None  # off the grid: refused

@@ -53,8 +53,11 @@ def test_the_joint_solve_reconstructs_better_than_rounding_after_the_solve(coars
 def test_bits_is_eight_or_left_out():
     assert nmcompile.recipe("sparsegpt:2:4,bits=8").bits == 8
     assert nmcompile.recipe("wanda:2:4").bits is None
-    with pytest.raises(ValueError, match=r"bits=4 is not supported; bits=8 puts the kept weights on an int8 grid"):
-        nmcompile.recipe("sparsegpt:2:4,bits=4")
+    assert nmcompile.recipe("sparsegpt:2:4,bits=4").bits == 4 and nmcompile.recipe("wanda:2:4,bits=4").group == 64
+    with pytest.raises(ValueError, match=r"bits=6 is not supported; bits=8 puts the kept weights on an int8 grid"):
+        nmcompile.recipe("sparsegpt:2:4,bits=6")
+    with pytest.raises(ValueError, match=r"group=32 is not supported; a 4-bit scale covers 64 or 128"):
+        nmcompile.recipe("sparsegpt:2:4,bits=4,group=32")
 
 
 def _one_shot(spec, seed=0):

@@ -37,7 +37,8 @@ from torch import Tensor
 
 __all__ = ["LEVELS", "ON_GRID", "ON_GRID_BF16", "on_grid", "row_scales", "round_rows", "grid_codes", "quantize_layout", "quantize_dense",
            "dense_rows", "GROUP_SIZES", "LOW4", "HIGH4", "group_scales", "position_index", "quantize_layout4", "dense4",
-           "quantize_dense4", "dense_rows4"]
+           "quantize_dense4", "dense_rows4", "round_groups4",
+           "to_codes"]
 
 #: the largest int8 code used: the grid is -LEVELS..LEVELS
 LEVELS = 127
@@ -175,18 +176,30 @@ def position_index(bits: Tensor) -> Tensor:
     return index.contiguous()
 
 
-def quantize_layout4(values: Tensor, bits: Tensor, out_features: int, group: int) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_layout4(values: Tensor, bits: Tensor, out_features: int, group: int,
+                     scales: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor] | None:
     """``(codes, index, scales)`` of the CPU layout's ``values`` ``[groups, K/16, GROUP, 8]`` (any float dtype) and
     ``bits``: uint8 codes ``[groups, K/64, GROUP/2, 32]`` (two rows' a byte, see the module doc), the positions as
     :func:`position_index` and fp16 scales ``[groups, K/group, GROUP]``; the layout's padding rows (past
-    ``out_features``) stay zeros."""
+    ``out_features``) stay zeros. Given ``scales`` ``[out_features, K/group]`` (a one-shot solve's grid), the codes on
+    it, or None where some value is not within :func:`on_grid` steps of it (the weight was changed since)."""
     ngroups, words, rows_g, eight = values.shape
     k = words * 16
     _check_group(group, k)
     kept = values.permute(0, 2, 1, 3).reshape(ngroups * rows_g, words * eight)  # row-major kept values
-    scales = group_scales(kept, group)  # [rows, K / group]
+    given = scales is not None
+    if given:
+        scales = torch.cat([scales.to(torch.float16), scales.new_zeros(ngroups * rows_g - out_features, k // group,
+                                                                        dtype=torch.float16)])
+    else:
+        scales = group_scales(kept, group)  # [rows, K / group]
     d = scales.float().repeat_interleave(group // 2, dim=1)
-    codes = torch.where(d != 0, torch.round(kept.float() / torch.where(d != 0, d, 1.0)), 0.0).clamp_(LOW4, HIGH4)
+    steps = kept.float() / torch.where(d != 0, d, 1.0)
+    codes = torch.where(d != 0, torch.round(steps), 0.0)
+    if given and bool((((steps - codes).abs() > on_grid(values.dtype)) | (codes < LOW4) | (codes > HIGH4)
+                       | ((d == 0) & (kept != 0))).any()):
+        return None
+    codes = codes.clamp_(LOW4, HIGH4)
     nib = (codes + 8).to(torch.uint8)  # [rows, K/2]
     # [groups, rows, steps, 32] (a step's 32 kept values in word order) -> pairs of rows
     nib = nib.view(ngroups, rows_g // 2, 2, k // 64, 32).permute(0, 3, 1, 2, 4)
@@ -245,3 +258,39 @@ def dense_rows4(values: Tensor, scales: Tensor, group: int, rows: Tensor | None 
     lo, hi = (flat & 0x0F).view(-1, steps, 2, 16), (flat >> 4).view(-1, steps, 2, 16)
     codes = torch.stack([lo[:, :, 0], hi[:, :, 0], lo[:, :, 1], hi[:, :, 1]], 2).reshape(-1, k).float() - 8
     return codes * d.float().repeat_interleave(group, dim=1)
+
+
+def round_groups4(w: Tensor, group: int) -> Tensor:
+    """``w`` ``[rows, cols]`` (2:4 or dense) rounded to nearest on its 4-bit grids, per row and group of ``group``
+    positions (the grid of :func:`group_scales`; zeros stay zeros), values in ``w``'s dtype: what
+    ``pack_weights(bits=4)`` holds for a float weight, as a dense tensor."""
+    rows, cols = w.shape
+    _check_group(group, cols)
+    scales = group_scales(w, 2 * group)  # every position as a kept value: `group` a scale
+    codes = _codes4(w.view(rows, cols // group, group), scales).float() - 8
+    return (codes * scales.float()[..., None]).view(rows, cols).to(w.dtype)
+
+
+def to_codes(weight, bits: int, isa: str, grid: Tensor | None = None, group: int = 64) -> tuple:
+    """``(weight, how)``: a :class:`~nmcompile.kernels.cpu24.weight.PackedLinearWeight` with float values, its kept
+    values as codes (a new weight), computing in its dtype on ``isa``: on ``grid`` (the scales a one-shot solve
+    recorded) where the values still lie on it, else rounded to nearest. ``bits=8``: int8 with a scale per row;
+    ``bits=4``: 4-bit with an fp16 scale per row and ``group`` positions."""
+    n = weight.weight_shape[0]
+    if bits == 4:
+        found = None if grid is None else quantize_layout4(weight.values, weight.bits, n, group, grid)
+        how = f"the one-shot solve's 4-bit grid (groups of {group})"
+        if found is None:
+            how = f"rounded to nearest, 4-bit in groups of {group}" + ("" if grid is None else
+                                                                       " (its values left the one-shot solve's grid)")
+            found = quantize_layout4(weight.values, weight.bits, n, group)
+        codes, index, scales = found
+        return weight._with(values=codes, bits=index, scales=scales, isa=isa, dtype=weight.dtype), how
+    found = None if grid is None or grid.dim() != 1 else quantize_layout(weight.values, n, grid)
+    how = "the one-shot solve's int8 grid"
+    if found is None:
+        how = "rounded to nearest" if grid is None else \
+            "rounded to nearest (its values left the one-shot solve's int8 grid since it was solved)"
+        found = quantize_layout(weight.values, n)
+    codes, scales = found
+    return weight._with(values=codes, scales=scales, isa=isa, dtype=weight.dtype), how

@@ -101,25 +101,6 @@ class PackedLinearWeight(Tensor):
         v, b = cpu24.cpu_layout(values, meta)
         return cls(v, b, (values.shape[0], values.shape[1] * 2), max_tokens, isa or cpu24.best_isa(values.dtype) or "")
 
-    def to_codes(self, bits: int, isa: str, grid: Tensor | None = None, group: int = 64) -> tuple["PackedLinearWeight", str]:
-        """``(weight, how)``: this weight (float values) with its kept values as codes, computing in its dtype on
-        ``isa``. ``bits=8``: int8 with a scale per row, on ``grid`` (the scales a one-shot solve recorded) where
-        the values still lie on it, else rounded to nearest; ``bits=4``: 4-bit with an fp16 scale per row and
-        ``group`` positions, rounded to nearest (:mod:`.quantize`)."""
-        n = self.weight_shape[0]
-        if bits == 4:
-            codes, index, scales = quantize.quantize_layout4(self.values, self.bits, n, group)
-            return self._with(values=codes, bits=index, scales=scales, isa=isa, dtype=self.dtype), \
-                f"rounded to nearest, 4-bit in groups of {group}"
-        found = None if grid is None or grid.dim() != 1 else quantize.quantize_layout(self.values, n, grid)
-        how = "the one-shot solve's int8 grid"
-        if found is None:
-            how = "rounded to nearest" if grid is None else \
-                "rounded to nearest (its values left the one-shot solve's int8 grid since it was solved)"
-            found = quantize.quantize_layout(self.values, n)
-        codes, scales = found
-        return self._with(values=codes, scales=scales, isa=isa, dtype=self.dtype), how
-
     def __repr__(self) -> str:
         values = f", values=int4, group={self.group}" if self.int4 else ", values=int8" if self.quantized else ""
         t = (", transposed" if self.transposed else "") + values \
