@@ -496,6 +496,25 @@ at::Tensor cpu24_dense_q8(const at::Tensor& x, const at::Tensor& values, const a
   return sparse_product(x, values, at::Tensor(), bias, n, isa_name, nullptr, scales.data_ptr<float>());
 }
 
+// the checks the two 4-bit ops share: the group, the scales [groups, K/group, NM24_GROUP] (fp16), out_features, the
+// input; the number of tokens
+int64_t check_q4(const char* op, const at::Tensor& x, const at::Tensor& scales, int64_t groups, int64_t k, int64_t n,
+                 int64_t group) {
+  TORCH_CHECK(group == 64 || group == 128, op, ": group is 64 or 128 positions, got ", group);
+  TORCH_CHECK(k % group == 0, op, ": in_features ", k, " is not a multiple of group ", group);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == k / group && scales.size(2) == NM24_GROUP &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.device().is_cpu(),
+              op, ": expected contiguous fp16 CPU scales [", groups, ", ", k / group, ", ", NM24_GROUP, "], got ",
+              shape_str(scales), " ", scales.scalar_type());
+  TORCH_CHECK(n > (groups - 1) * NM24_GROUP && n <= groups * NM24_GROUP,
+              op, ": out_features ", n, " does not fit ", groups, " groups of ", NM24_GROUP, " rows");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": input ", shape_str(x), " does not match the weight's in_features ", k);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              " takes fp32, bf16 or fp16 inputs, got ", dtype);
+  return k ? x.numel() / k : 0;
+}
+
 at::Tensor cpu24_linear_q4(const at::Tensor& x, const at::Tensor& values, const at::Tensor& index,
                            const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n, int64_t group,
                            int64_t max_tokens, c10::string_view isa_name) {
@@ -509,19 +528,8 @@ at::Tensor cpu24_linear_q4(const at::Tensor& x, const at::Tensor& values, const 
                   index.size(3) == 8 && index.scalar_type() == at::kByte && index.is_contiguous() && index.device().is_cpu(),
               op, ": expected a contiguous uint8 CPU index [", groups, ", ", k / 64, ", ", NM24_GROUP, ", 8], got ",
               shape_str(index), " ", index.scalar_type());
-  TORCH_CHECK(group == 64 || group == 128, op, ": group is 64 or 128 positions, got ", group);
-  TORCH_CHECK(k % group == 0, op, ": in_features ", k, " is not a multiple of group ", group);
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == k / group && scales.size(2) == NM24_GROUP &&
-                  scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.device().is_cpu(),
-              op, ": expected contiguous fp16 CPU scales [", groups, ", ", k / group, ", ", NM24_GROUP, "], got ",
-              shape_str(scales), " ", scales.scalar_type());
-  TORCH_CHECK(n > (groups - 1) * NM24_GROUP && n <= groups * NM24_GROUP,
-              op, ": out_features ", n, " does not fit ", groups, " groups of ", NM24_GROUP, " rows");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": input ", shape_str(x), " does not match the weight's in_features ", k);
+  const int64_t tokens = check_q4(op, x, scales, groups, k, n, group);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              " takes fp32, bf16 or fp16 inputs, got ", dtype);
-  const int64_t tokens = k ? x.numel() / k : 0;
   if (max_tokens >= 0 && tokens > max_tokens)  // the measured range ends here: dense GEMM
     return at::linear(x, dequantized4_for_gemm(values, index, scales, group, n, dtype), bias);
   return sparse_product(x, values, index, bias, n, isa_name, nullptr, nullptr, scales, group);
@@ -536,19 +544,8 @@ at::Tensor cpu24_dense_q4(const at::Tensor& x, const at::Tensor& values, const a
               op, ": expected contiguous uint8 CPU values [groups, K/64, ", NM24_GROUP, ", 32], got ", shape_str(values),
               " ", values.scalar_type());
   const int64_t groups = values.size(0), k = values.size(1) * 64;
-  TORCH_CHECK(group == 64 || group == 128, op, ": group is 64 or 128 positions, got ", group);
-  TORCH_CHECK(k % group == 0, op, ": in_features ", k, " is not a multiple of group ", group);
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == k / group && scales.size(2) == NM24_GROUP &&
-                  scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.device().is_cpu(),
-              op, ": expected contiguous fp16 CPU scales [", groups, ", ", k / group, ", ", NM24_GROUP, "], got ",
-              shape_str(scales), " ", scales.scalar_type());
-  TORCH_CHECK(n > (groups - 1) * NM24_GROUP && n <= groups * NM24_GROUP,
-              op, ": out_features ", n, " does not fit ", groups, " groups of ", NM24_GROUP, " rows");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": input ", shape_str(x), " does not match the weight's in_features ", k);
+  const int64_t tokens = check_q4(op, x, scales, groups, k, n, group);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              " takes fp32, bf16 or fp16 inputs, got ", dtype);
-  const int64_t tokens = k ? x.numel() / k : 0;
   if (max_tokens >= 0 && tokens > max_tokens)  // the dense GEMM on the weight dequantized for the call
     return at::linear(x, dense4_for_gemm(values, scales, group, n, dtype), bias);
   return sparse_product(x, values, at::Tensor(), bias, n, isa_name, nullptr, nullptr, scales, group);
