@@ -8,6 +8,7 @@ largest first, with the share of the token it takes.
 
     python benchmarks/models/decode_profile.py /work/models/llama-1b-24 --packed --dtype bf16
     python benchmarks/models/decode_profile.py /work/models/llama-1b --dtype bf16
+    python benchmarks/models/decode_profile.py /work/models/llama-1b-24 --packed --bits 4   # pack_weights(bits=4)
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--bits", type=int, choices=(8, 4), help="--packed: then pack_weights(model, bits=...), "
+                        "int8 activations")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -36,6 +39,10 @@ def main() -> int:
         from nmcompile.deploy import load_pretrained
 
         model = load_pretrained(args.dir, packed=True, dtype=dtype)
+        if args.bits:
+            from nmcompile.deploy import pack_weights
+
+            pack_weights(model, bits=args.bits, activations="int8")
         model.forward = torch.compile(model.forward, backend="nmsparse")
     else:
         import transformers
@@ -60,7 +67,7 @@ def main() -> int:
     # each operator's decode share: the whole call's time less the prefill call's, per decoded token
     rows = sorted(((k, (s - first.get(k, (0.0, 0))[0]) / n * 1e3, (c - first.get(k, (0.0, 0))[1]) / n)
                    for k, (s, c) in whole.items()), key=lambda r: r[1], reverse=True)
-    print(f"{args.dir} ({'2:4 packed' if args.packed else 'dense'}, {args.dtype}, {args.threads} threads): "
+    print(f"{args.dir} ({'2:4 packed' + (f', {args.bits}-bit' if args.bits else '') if args.packed else 'dense'}, {args.dtype}, {args.threads} threads): "
           f"{token_ms:.1f} ms a decoded token ({n} tokens, the profiler on; self CPU time of each operator "
           "per decoded token, the prefill's call subtracted)")
     for key, ms, calls in rows[:args.top]:
