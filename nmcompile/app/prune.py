@@ -17,7 +17,7 @@ along which dim: :func:`nmcompile.deploy.load_pretrained` loads the directory as
 ``model_packed.pt`` with every 2:4 weight packed, when the packed weights take at most half the memory
 available and fit on the disk (otherwise a warning and ``nmcompile.json`` say why it was skipped); with
 ``bits=8`` (``sparsegpt:2:4,bits=8``), ``model_int8.safetensors`` with the int8 codes, positions and row scales
-beside the dequantized weights. A disk that cannot take the weights is refused before calibrating.
+beside the dequantized weights (``bits=4``: ``model_int4.safetensors``, 4-bit codes and group scales). A disk that cannot take the weights is refused before calibrating.
 
 The model keeps its own dtype (a bf16 checkpoint is calibrated and written in bf16; each weight's
 solve runs in float32); ``dtype`` overrides it. The output is written to a temporary folder beside
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import folders, saving
-from ..checkpoint.layout import INT8_FILE, PACKED_FILE, RECORD_FILE
+from ..checkpoint.layout import INT4_FILE, INT8_FILE, PACKED_FILE, RECORD_FILE
 from ..declare.annotate import annotate
 from ..deploy.finalize import finalize
 from ..deploy.inspection import check as check_nm
@@ -350,9 +350,11 @@ def file_role(name: str) -> str:
         RECORD_FILE: "ship: the layout record load_pretrained and check read",
         INT8_FILE: "ship for CPU serving: the 2:4 weights' int8 codes, positions and row scales that "
                    "load_pretrained(packed=True) reads",
+        INT4_FILE: "ship for CPU serving: the 2:4 weights' 4-bit codes, positions and group scales that "
+                   "load_pretrained(packed=True) reads",
         "model.pt": "ship: the whole model, its deploy records with it",
     }
-    if name.endswith((".safetensors", ".safetensors.index.json", ".bin")) and name != INT8_FILE:
+    if name.endswith((".safetensors", ".safetensors.index.json", ".bin")) and name not in (INT8_FILE, INT4_FILE):
         return ("ship for dense loads, GPUs and other runtimes: the pruned weights dense (zeros stored, the dense "
                 "model's bytes); load_pretrained(packed=True) packs them while loading where no packed file is there")
     return roles.get(name, "ship: the model's configuration or tokenizer")

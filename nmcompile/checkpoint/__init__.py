@@ -5,7 +5,8 @@ packed state dicts and weights, and the checks of files and directories.
 - :mod:`.saving` / :mod:`.loading` / :mod:`.restore`: :func:`save_pretrained`, :func:`load_pretrained`,
   :func:`restore` (records back onto a model loaded some other way);
 - :mod:`.packed_weights`: 2:4 weights held packed only on the CPU (:func:`pack_weights`, :func:`load_packed`);
-- :mod:`.int8_weights`: the int8 codes, positions and row scales a directory holds for weights on int8 grids;
+- :mod:`.quantized_weights`: the int8 or 4-bit codes, positions and scales a directory holds for weights on
+  recorded grids;
 - :mod:`.streaming` / :mod:`.weight_files`: reading safetensors a run of rows at a time,
   weights files, and state dicts nested in checkpoints;
 - :mod:`.file_checks`: N:M checks of files and directories, and what to check instead when one fails;

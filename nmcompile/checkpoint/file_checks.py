@@ -7,7 +7,7 @@ checked, with why; a weight transformers wrote in parts under other names (a Mix
 Linear weight per expert) is checked part by part, as the record's ``saved`` names them. Without a record,
 every >= 2-D tensor is checked along ``dim`` (default 1), and a failed check gets a hint
 (:func:`suggestion`) that fits the file. Safetensors files are read one tensor at a time. A directory whose
-record marks weights ``bits`` 8 has their int8 codes checked against the dense files' values too.
+record marks weights ``bits`` 8 or 4 has their codes checked against the dense files' values too.
 
 A checkpoint often nests the model's state dict (``{"model": sd, "optimizer": ..., "epoch": 3}``):
 :func:`find_state_dict` takes the one dict of tensors it holds, preferring the entries named
@@ -32,7 +32,7 @@ from ..kernels.format24 import META_SUFFIX, packed_dims, packed_record, unpack_s
 from ..pattern import NMPattern
 from ..masks.compliance import CheckReport, check_one, selects
 from .conversions import part_dim
-from .int8_weights import Int8File, check_against
+from .quantized_weights import CodesFile, check_against
 from .layout import PACKED_FILE, Layout, read_layout
 from .weight_files import tensor_sources, weight_files
 
@@ -252,27 +252,28 @@ def _check_safetensors(files, path: str, pattern, dim, only, layout: Layout | No
     if layout is not None:
         _recorded(report, items, layout, pattern, dim, only, complete, path)
         if complete:
-            _check_int8(report, layout, os.path.dirname(files[0]), sources)
+            _check_codes(report, layout, os.path.dirname(files[0]), sources)
     else:
         _unrecorded(report, items, pattern, dim, only, {}, path)
     return report
 
 
-def _check_int8(report: CheckReport, layout: Layout, directory: str, sources: dict) -> None:
-    """The int8 codes of the weights the record marks ``bits`` 8, against the weights files' values."""
-    wanted = [name for name, w in layout.weights.items() if w.bits == 8 and name in report]
-    if not wanted:
-        return
-    try:
-        found = Int8File(directory, layout)
-    except ValueError as err:
+def _check_codes(report: CheckReport, layout: Layout, directory: str, sources: dict) -> None:
+    """The codes of the weights the record marks ``bits`` 8 or 4, against the weights files' values."""
+    for bits in (8, 4):
+        wanted = [name for name, w in layout.weights.items() if w.bits == bits and name in report]
+        if not wanted:
+            continue
+        try:
+            found = CodesFile(directory, layout, bits)
+        except ValueError as err:
+            for name in wanted:
+                report[name] = dataclasses.replace(report[name], problem=str(err))
+            continue
         for name in wanted:
-            report[name] = dataclasses.replace(report[name], problem=str(err))
-        return
-    for name in wanted:
-        problem = check_against(found, name, sources[name].read(name))
-        if problem:
-            report[name] = dataclasses.replace(report[name], problem=problem)
+            problem = check_against(found, name, sources[name].read(name))
+            if problem:
+                report[name] = dataclasses.replace(report[name], problem=problem)
 
 
 # What to check instead, when a check without a layout record fails: a --dim and --only that fit the file.

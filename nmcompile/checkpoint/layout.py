@@ -20,8 +20,8 @@ write it as ``nmcompile.json`` in the model's directory (and into each safetenso
 ``dense`` names the other >= 2-D weights with why they are dense; ``packed`` names the packed 2:4 file
 (:func:`nmcompile.deploy.pack_state_dict`), or says why none was written (``{"file": null, "why": ...}``).
 A weight whose kept values are int8 codes carries ``"bits": 8``, and ``int8`` names the file that holds the
-codes, positions and scales (:mod:`nmcompile.checkpoint.int8_weights`): ``"int8": {"file":
-"model_int8.safetensors"}``. ``saved`` (only where there are such weights) names the file tensors of each
+codes, positions and scales (:mod:`nmcompile.checkpoint.quantized_weights`): ``"int8": {"file":
+"model_int8.safetensors"}``; one of 4-bit codes ``"bits": 4``, in the file ``int4`` names. ``saved`` (only where there are such weights) names the file tensors of each
 weight that transformers writes under other names than the model holds it (:mod:`nmcompile.checkpoint.conversions`), e.g. a Mixtral's fused
 experts, written one ``Linear`` weight per expert::
 
@@ -46,18 +46,21 @@ from .weight_files import safetensors_metadata
 from .weight_files import weight_files
 
 __all__ = ["Layout", "LayoutWeight", "layout_of", "read_layout", "write_layout", "RECORD_FILE", "METADATA_KEY",
-           "OWN_FILES", "PACKED_FILE", "INT8_FILE"]
+           "OWN_FILES", "PACKED_FILE", "INT8_FILE", "INT4_FILE"]
 
 RECORD_FILE = "nmcompile.json"
 #: the state dict with every 2:4 weight packed, beside the weights files (written where they all pack)
 PACKED_FILE = "model_packed.pt"
-#: the int8 codes, positions and scales of the weights with int8 values (:mod:`nmcompile.checkpoint.int8_weights`)
+#: the codes, positions and scales of the weights with int8 values (:mod:`nmcompile.checkpoint.quantized_weights`)
 INT8_FILE = "model_int8.safetensors"
+#: the same for weights with 4-bit values
+INT4_FILE = "model_int4.safetensors"
 #: the key of the record in a safetensors file's metadata (a JSON string)
 METADATA_KEY = "nmcompile"
 FORMAT, VERSION = "nmcompile-layout", 1
 #: the weights files of a saved directory, which its record describes (a file of another name beside it may not)
-OWN_FILES = ("model.safetensors", "model-*-of-*.safetensors", "pytorch_model*.bin", "model.pt", PACKED_FILE, INT8_FILE)
+OWN_FILES = ("model.safetensors", "model-*-of-*.safetensors", "pytorch_model*.bin", "model.pt", PACKED_FILE, INT8_FILE,
+             INT4_FILE)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class LayoutWeight:
     dim: int  # grouping (reduction) dim: 1 for Linear, 0 for GPT-2's Conv1D
     shape: tuple[int, ...]
     recipe: str = ""
-    bits: int | None = None  # 8: int8 values in the int8 file (:mod:`nmcompile.checkpoint.int8_weights`)
+    bits: int | None = None  # 8 or 4: values in that width's codes file (:mod:`nmcompile.checkpoint.quantized_weights`)
 
     def with_bits(self, bits: int | None) -> LayoutWeight:
         return dataclasses.replace(self, bits=bits)
@@ -84,6 +87,7 @@ class Layout:
     packed: dict | None = None  # {"file": name} or {"file": None, "why": ...}; None: not said
     saved: dict[str, list[str]] = field(default_factory=dict)  # name -> the file tensors transformers wrote it as
     int8: dict | None = None  # {"file": name}: the int8 codes of the weights with bits 8
+    int4: dict | None = None  # {"file": name}: the 4-bit codes of the weights with bits 4
     nmcompile: str = __version__  # the version that wrote it
 
     def canonical(self, name: str) -> str:
@@ -103,8 +107,9 @@ class Layout:
             out["packed"] = dict(self.packed)
         if self.saved:
             out["saved"] = {name: list(files) for name, files in self.saved.items()}
-        if self.int8 is not None:
-            out["int8"] = dict(self.int8)
+        for key in ("int8", "int4"):
+            if getattr(self, key) is not None:
+                out[key] = dict(getattr(self, key))
         return out
 
     def saved_as(self) -> dict[str, str]:
@@ -132,8 +137,8 @@ class Layout:
         for name, entry in weights.items():
             try:
                 bits = entry.get("bits")
-                if bits not in (None, 8):
-                    raise ValueError(f"bits {bits!r} (this nmcompile reads 8)")
+                if bits not in (None, 8, 4):
+                    raise ValueError(f"bits {bits!r} (this nmcompile reads 8 and 4)")
                 layout.weights[name] = LayoutWeight(NMPattern.of(entry["pattern"]), int(entry["dim"]),
                                                     tuple(int(s) for s in entry["shape"]), str(entry.get("recipe", "")),
                                                     bits)
@@ -146,8 +151,9 @@ class Layout:
             setattr(layout, key, dict(value))
         if isinstance(data.get("packed"), dict):
             layout.packed = dict(data["packed"])
-        if isinstance(data.get("int8"), dict):
-            layout.int8 = dict(data["int8"])
+        for key in ("int8", "int4"):
+            if isinstance(data.get(key), dict):
+                setattr(layout, key, dict(data[key]))
         saved = data.get("saved", {})
         if not isinstance(saved, dict) or not all(isinstance(v, list) and all(isinstance(f, str) for f in v)
                                                   for v in saved.values()):

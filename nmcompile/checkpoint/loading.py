@@ -8,10 +8,9 @@ by the model's own initialization, and each weight is read from ``model_packed.p
 2:4 entries need no packing), else from the safetensors files a run of rows at a time (:mod:`nmcompile.checkpoint.streaming`): the N:M ones
 straight into packed 2:4 CPU weights (checked on the way in), the others dense. No dense copy of the
 model, nor of any packed weight, is ever resident: the load peaks at the packed model plus one chunk.
-The weights that transformers writes under other names or shapes (a Mixtral's fused experts, written one
-Linear weight per expert: :mod:`nmcompile.checkpoint.conversions`) are built from their file tensors as
-``from_pretrained`` builds them, checked, and packed where the kernel takes them (one such weight is dense
-meanwhile); fused experts, 3-D, are held dense and named in a warning.
+The weights that transformers writes under other names or shapes (a Mixtral's fused experts, one Linear weight
+per expert: :mod:`nmcompile.checkpoint.conversions`) are built from their file tensors as ``from_pretrained``
+builds them, checked, and packed where the kernel takes them; fused experts, 3-D, are held dense (warned).
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ from ..state.deployed import Deployed
 from ..state.records import DEPLOYED, owners
 from . import conversions
 from .layout import Layout
-from .int8_weights import Int8File, record_grids
-from .packed_weights import INT8_REASON, RangeRule, _head_of, _pack_head, is_trainable, set_packed
+from .quantized_weights import WIDTHS, codes_files, record_grids
+from .packed_weights import INT4_REASON, INT8_REASON, RangeRule, _head_of, _pack_head, is_trainable, set_packed
 from .restore import layout_from, restore
 from .streaming import PackedStateFile, build_on_meta, chunk_budget, packable, read_dense, read_packed
 from .weight_files import tensor_sources, weight_files
@@ -90,7 +89,7 @@ def _model_class(config, model_class):
 
 
 def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = None, model_class=None,
-                    measure: bool = True, head: str | None = "auto", activations: str = "float") -> nn.Module:
+                    measure: bool = True, head: str | None = "auto", activations: str | None = None) -> nn.Module:
     """The model a deployed directory holds, with its N:M weights recorded as deployed (eval mode).
 
     Args:
@@ -110,17 +109,19 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
             does (decisions are cached on disk: a second process reads them instead of timing; a shape
             timed here holds at most 64 MB of scratch copies while it is timed); without it the kernel
             takes every token count.
-        head: for a directory whose 2:4 weights hold int8 values (``"bits": 8`` in its record), loaded
-            ``packed``: the output head held as dense int8 rows, as ``pack_weights(model, bits=8, head=...)``
-            holds it (``"auto"``: ``get_output_embeddings()``; a module name; None keeps it as stored). A
+        head: for a directory whose 2:4 weights hold int8 or 4-bit values (``"bits": 8`` or ``4`` in its
+            record), loaded ``packed``: the output head held as dense rows of that width (4-bit in groups of 64),
+            as ``pack_weights(model, bits=..., head=...)`` holds it (``"auto"``: ``get_output_embeddings()``; a module name; None keeps it as stored). A
             module name for any other directory, or with ``packed=False``, is refused (ValueError).
         activations: with ``packed``, what the int8 weights' products take their activations as: ``"float"`` or
             ``"int8"`` (quantized in blocks of 32, integer products), as ``pack_weights(model, activations=...)``
-            says; ``"int8"`` for a directory without int8 values, or loaded dense, is refused (ValueError).
+            says (None: ``"int8"`` for a directory with 4-bit values, which run with no other, else ``"float"``);
+            ``"int8"`` for a directory without int8 or 4-bit values, or loaded dense, is refused (ValueError).
 
-    A directory with int8 values (a ``bits=8`` one-shot solve, or a model unpacked from int8) loads
-    ``packed`` straight from its int8 file (codes, positions, scales); dense, each such weight is its
-    dequantized value with its grid recorded, so ``pack_weights(model)`` holds it on that grid again.
+    A directory with int8 or 4-bit values (a ``bits=8`` or ``bits=4`` one-shot solve, or a model unpacked from
+    such values) loads ``packed`` straight from its codes files (codes, positions, scales); dense, each such
+    weight is its dequantized value with its grid recorded, so ``pack_weights(model)`` holds it on that grid
+    again.
 
     Then ``nmcompile.check(model)`` passes and ``torch.compile(model, backend="nmsparse")`` deploys it.
 
@@ -136,18 +137,8 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
                          + (f"; {pickled} is a whole pickled model, whose deploy records travel with it: "
                             "torch.load(path, weights_only=False), for files you trust" if os.path.isfile(pickled) else ""))
     layout, _ = layout_from(path)
-    int8 = any(w.bits == 8 for w in layout.weights.values())
-    if head not in ("auto", None) and not (packed and int8):
-        raise ValueError(f"load_pretrained: head={head!r} holds the output head as int8 rows, which applies only to a "
-                         f"directory whose 2:4 weights hold int8 values, loaded packed=True; "
-                         f"{path} is loaded {'packed' if packed else 'dense'} and its weights hold "
-                         f"{'int8' if int8 else 'float'} values. Drop head=, or after loading call "
-                         "nmcompile.deploy.pack_weights(model, bits=8, head=...)")
-    isa8 = cpu24.int8_isa(activations) if packed and int8 else None
-    if activations != "float" and isa8 is None:
-        raise ValueError(f"load_pretrained: activations={activations!r} is the route of int8 weights held packed; "
-                         f"{path} is loaded {'packed' if packed else 'dense'} and its weights hold "
-                         f"{'int8' if int8 else 'float'} values. Drop activations=")
+    widths = {w.bits for w in layout.weights.values() if w.bits}
+    isa8 = _check_options(path, packed, widths, head, activations)
     transformers = _transformers()
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     cls = _model_class(config, model_class)
@@ -173,13 +164,33 @@ def load_pretrained(path, *, packed: bool = False, dtype: torch.dtype | None = N
     model = build_on_meta(cls, config, dtype_built)
     _compute_buffers(model, sources)
     _stream(model, layout, sources, dtype, measure, path, isa8)
-    found = _head_of(model, head) if int8 else None
+    found = _head_of(model, head) if widths else None
     if found is not None:
-        _pack_head(model, *found, isa8, 8)
+        _pack_head(model, *found, isa8, min(widths))
     generation = os.path.join(path, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
     return model.eval()
+
+
+def _check_options(path: str, packed: bool, widths: set, head, activations) -> str | None:
+    """The ISA of the directory's int8 or 4-bit weights held packed (None: none such, or loaded dense); ValueError
+    for ``head`` or ``activations`` that do not apply."""
+    what = (f"{path} is loaded {'packed' if packed else 'dense'} and its weights hold "
+            f"{' and '.join(WIDTHS[b] for b in sorted(widths, reverse=True)) or 'float'} values")
+    if head not in ("auto", None) and not (packed and widths):
+        raise ValueError(f"load_pretrained: head={head!r} holds the output head as int8 or 4-bit rows, which applies "
+                         f"only to a directory whose 2:4 weights hold such values, loaded packed=True; {what}. Drop "
+                         "head=, or after loading call nmcompile.deploy.pack_weights(model, bits=8, head=...)")
+    if 4 in widths and packed and activations not in (None, "int8"):
+        raise ValueError(f"load_pretrained: activations={activations!r}: {what}, and 4-bit values run with int8 "
+                         "activations only; drop activations= (or load dense and pack_weights(model, bits=8))")
+    activations = activations or ("int8" if 4 in widths and packed else "float")
+    isa8 = cpu24.int8_isa(activations) if packed and widths else None
+    if activations != "float" and isa8 is None:
+        raise ValueError(f"load_pretrained: activations={activations!r} is the route of int8 weights held packed; "
+                         f"{what}. Drop activations=")
+    return isa8
 
 
 def _packed_file(path: str, layout: Layout) -> str | None:
@@ -199,8 +210,8 @@ def _sources(path: str, layout: Layout) -> dict:
 
 def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype | None, measure: bool,
             directory: str, isa8: str | None) -> None:
-    """Fill the meta parameters of ``model`` from ``sources``, the recorded 2:4 weights packed (those with int8
-    values from the directory's int8 file, run on ``isa8``)."""
+    """Fill the meta parameters of ``model`` from ``sources``, the recorded 2:4 weights packed (those with int8 or
+    4-bit values from the directory's codes files, run on ``isa8``)."""
     plan, missing, loaded, known = [], [], set(), set()
     for name, places in owners(model):
         names = [f"{m}.{p}" if m else p for m, _, p in places]
@@ -223,7 +234,7 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             + (f"the layout record names weights the model does not have: {', '.join(unknown[:10])}; " if unknown else "")
             + "the directory was written for another model, or is incomplete"
         )
-    int8_file = Int8File(directory, layout) if any(w.bits == 8 for w in layout.weights.values()) else None
+    files = codes_files(directory, layout)
     sparse = sum(sources[k].shape(k)[0] * sources[k].shape(k)[1] for k in layout.weights
                  if k in sources and len(sources[k].shape(k)) == 2)
     budget = chunk_budget(sparse)
@@ -233,21 +244,20 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
         entry = next((layout.weights[n] for n in names if n in layout.weights), None)
         if entry is None:
             tensor = read_dense(source, key, dtype, budget)
-            param = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
-            for _, module, pname in places:
-                module._parameters[pname] = param
+            _place(tensor, places, tensor.is_floating_point())
             continue
         if tuple(source.shape(key)) != tuple(entry.shape):
             _not_recorded(f"{key} is {list(source.shape(key))} in {source.path}, the record says {list(entry.shape)}")
         why = None if entry.pattern == NMPattern(2, 4) else f"{entry.pattern} is not 2:4"
         why = why or packable(source.shape(key), entry.dim, dtype or source.dtype(key))
         record = Deployed(entry.pattern, entry.dim, entry.recipe)
-        if why is None and entry.bits == 8:  # its codes, positions and scales: the dense copy is not read
-            weight = int8_file.packed(next(n for n in names if n in layout.weights), dtype or source.dtype(key))
-            weight = weight if weight.isa == isa8 else weight._with(isa=isa8)
-            _hold_packed(weight, places, measure, f"{INT8_REASON}; loaded")
+        if why is None and entry.bits:  # its codes, positions and scales: the dense copy is not read
+            name = next(n for n in names if n in layout.weights)
+            weight = files[entry.bits].packed(name, dtype or source.dtype(key), isa8)
+            _hold_packed(weight, places, measure, f"{INT4_REASON if weight.int4 else INT8_REASON}; loaded")
+            scales = files[entry.bits].scales(name)
             for _, module, pname in places:
-                records.put(module, records.INT8, pname, weight.scales)
+                records.put(module, records.INT4 if weight.int4 else records.INT8, pname, scales)
         elif why is None:
             weight = source.packed(key, dtype) if isinstance(source, PackedStateFile) else None
             if weight is None:
@@ -262,9 +272,7 @@ def _stream(model: nn.Module, layout: Layout, sources: dict, dtype: torch.dtype 
             if bad:
                 _not_recorded(f"{key} in {source.path}: {bad}/{total} groups along dim {entry.dim} are not "
                               f"{entry.pattern}")
-            param = nn.Parameter(tensor, requires_grad=False)
-            for _, module, pname in places:
-                module._parameters[pname] = param
+            _place(tensor, places, False)
             dense_recorded.append(f"{key} ({why})")
         for _, module, pname in places:
             records.put(module, DEPLOYED, pname, record)
@@ -302,8 +310,7 @@ def _converted(model: nn.Module, sources: dict, missing: list, plan: list, loade
             continue
         found.update(name for name, _, _ in targets)
         loaded.update(group.sources)
-        for name, names, _ in targets:
-            loaded.update(names)
+        loaded.update(n for _, names, _ in targets for n in names)
         if group.renaming:
             _, names, places = targets[0]
             plan.append((group.sources[0], names, places))
@@ -324,9 +331,7 @@ def _load_converted(group, targets: list, layout: Layout, sources: dict, dtype, 
         tensor = made.pop(name)
         entry = next((layout.weights[n] for n in names if n in layout.weights), None)
         if entry is None:
-            param = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
-            for _, module, pname in places:
-                module._parameters[pname] = param
+            _place(tensor, places, tensor.is_floating_point())
             continue
         if tuple(tensor.shape) != tuple(entry.shape):
             _not_recorded(f"{name}, built from {parts}, is {list(tensor.shape)}, the record says {list(entry.shape)}")
@@ -344,12 +349,17 @@ def _load_converted(group, targets: list, layout: Layout, sources: dict, dtype, 
             del tensor, weight
             _hold_packed(packed, places, measure, f"packed only, loaded from {len(group.sources)} file tensors")
         else:
-            param = nn.Parameter(tensor, requires_grad=False)
-            for _, module, pname in places:
-                module._parameters[pname] = param
+            _place(tensor, places, False)
             dense_recorded.append(f"{name} ({why}; written by transformers as {len(group.sources)} file tensors)")
         for _, module, pname in places:
             records.put(module, DEPLOYED, pname, Deployed(entry.pattern, entry.dim, entry.recipe))
+
+
+def _place(tensor: torch.Tensor, places, trainable: bool) -> None:
+    """``tensor`` as the dense parameter in each of ``places``."""
+    param = nn.Parameter(tensor, requires_grad=trainable)
+    for _, module, pname in places:
+        module._parameters[pname] = param
 
 
 def _not_recorded(problem: str):
@@ -360,8 +370,7 @@ def _not_recorded(problem: str):
 
 
 def _violations(tensor: torch.Tensor, entry) -> tuple[int, int]:
-    why = entry.pattern.fits(tensor, entry.dim)
-    if why is not None:
+    if entry.pattern.fits(tensor, entry.dim) is not None:
         return 1, 1
     return masks.count_violations(tensor, entry.pattern.n, entry.pattern.m, entry.dim)
 

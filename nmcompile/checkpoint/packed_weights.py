@@ -172,6 +172,10 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
         raise ValueError(f"nmcompile.deploy.pack_weights: bits={bits!r} is not supported; bits=8 holds the kept values "
                          "as int8 with a scale per row, bits=4 as 4-bit codes with a scale per row and group of "
                          "positions, bits=None (the default) in the weight's own dtype")
+    if bits is None and any(records.get(p[0][1], records.INT8, p[0][2]) is not None for _, p in owners(model)):
+        bits = 8  # a one-shot solve with bits=8 put weights on int8 grids: they are served as int8
+    if bits is None and any(records.get(p[0][1], records.INT4, p[0][2]) is not None for _, p in owners(model)):
+        bits = 4  # a one-shot solve with bits=4: served as 4-bit, on the grids (and groups) it recorded
     if bits == 4 and activations not in (None, "int8"):
         raise ValueError(f"nmcompile.deploy.pack_weights: bits=4 runs with int8 activations only, got "
                          f"activations={activations!r}; leave activations unset (or 'int8'), or take bits=8 for float "
@@ -189,10 +193,6 @@ def pack_weights(model: nn.Module, *, measure: bool = True, bits: int | None = N
                          "model, bits=8) for float activations")
     isa8 = cpu24.int8_isa(activations or ("int8" if bits == 4 or holds4 else "float"))
     state = cpu24.status()
-    if bits is None and any(records.get(p[0][1], records.INT8, p[0][2]) is not None for _, p in owners(model)):
-        bits = 8  # a one-shot solve with bits=8 put weights on int8 grids: they are served as int8
-    if bits is None and any(records.get(p[0][1], records.INT4, p[0][2]) is not None for _, p in owners(model)):
-        bits = 4  # a one-shot solve with bits=4: served as 4-bit, on the grids (and groups) it recorded
     rule_reason = {8: INT8_REASON, 4: INT4_REASON}.get(bits, "packed only")
     out: dict[str, Decision] = {}
 
@@ -276,8 +276,8 @@ def unpack_weights(model: nn.Module) -> list[str]:
     trainable as the weight it replaced was (``requires_grad``: a model's own weights, a loaded
     checkpoint's too, are; one frozen before :func:`pack_weights` stays frozen). A 2:4 weight with int8
     values becomes its dequantized weight (code times scale), its grid recorded: ``save_pretrained`` writes
-    its codes, and ``pack_weights`` holds it on the same grid again. One with 4-bit values becomes its
-    dequantized weight (no grid recorded: ``pack_weights(bits=4)`` rounds it again)."""
+    its codes, and ``pack_weights`` holds it on the same grid again; one with 4-bit values likewise (its group
+    scales recorded)."""
     done = []
     for name, places in owners(model):
         param = places[0][1]._parameters[places[0][2]]
@@ -285,10 +285,19 @@ def unpack_weights(model: nn.Module) -> list[str]:
             dense = nn.Parameter(param.dense().contiguous(), requires_grad=getattr(param, TRAINABLE_ATTR, True))
             for _, holder, attr in places:
                 holder._parameters[attr] = dense
-                if param.quantized and not param.dense_rows and not param.int4:  # its grid, for a save or pack_weights
-                    records.put(holder, records.INT8, attr, param.scales.clone())
+                if param.quantized and not param.dense_rows:  # its grid, for a save or pack_weights
+                    key, grid = _grid_record(param)
+                    records.put(holder, key, attr, grid)
             done.append(name)
     return done
+
+
+def _grid_record(param: PackedLinearWeight) -> tuple:
+    """``(record key, scales)`` of a packed weight's grid: int8 row scales, or 4-bit ones ``[out, in/group]``."""
+    if not param.int4:
+        return records.INT8, param.scales.clone()
+    scales = param.scales.transpose(1, 2).reshape(-1, param.scales.shape[1])[:param.weight_shape[0]]
+    return records.INT4, scales.contiguous()
 
 
 def load_packed(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True):

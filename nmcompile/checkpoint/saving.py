@@ -4,8 +4,9 @@
 not a Hugging Face one), the layout record ``nmcompile.json`` (also in each safetensors file's metadata),
 and ``model_packed.pt``, the state dict with every 2:4 weight packed (:func:`nmcompile.deploy.pack_state_dict`,
 GPT-2's ``Conv1D`` weights as their transpose), when every N:M weight can be packed; for the 2:4 weights on
-recorded int8 grids (a one-shot solve with ``bits=8``, or unpacked from int8), ``model_int8.safetensors`` with
-their codes, positions and row scales (:mod:`nmcompile.checkpoint.int8_weights`). Everything is written
+recorded int8 or 4-bit grids (a one-shot solve with ``bits=8`` or ``4``, or unpacked from such values),
+``model_int8.safetensors`` / ``model_int4.safetensors`` with their codes, positions and scales
+(:mod:`nmcompile.checkpoint.quantized_weights`). Everything is written
 into a temporary folder beside the target and moved into place at the end, so an interrupted save leaves
 the target as it was (a new directory is renamed whole; into an existing one the files are moved one by one).
 """
@@ -28,8 +29,8 @@ from ..pattern import NMPattern
 from ..state import memory
 from ..state.records import root
 from . import conversions, folders
-from .int8_weights import grids_of, write_int8
-from .layout import INT8_FILE, METADATA_KEY, OWN_FILES, PACKED_FILE, RECORD_FILE, Layout, layout_of, write_layout
+from .quantized_weights import grids_of, write_codes
+from .layout import METADATA_KEY, OWN_FILES, PACKED_FILE, RECORD_FILE, Layout, layout_of, write_layout
 from .weight_files import stamp_safetensors, tensor_sources, weight_files
 
 __all__ = ["save_pretrained", "check_disk", "weight_file", "PACKED_FILE"]
@@ -201,8 +202,8 @@ def save_pretrained(model: nn.Module, directory, *, tokenizer=None, packed: bool
             torch.save(model, os.path.join(staging, "model.pt"))
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        if grids:  # weights on int8 grids: their codes beside the dense files (which hold code times scale)
-            write_int8(model, layout, grids, os.path.join(staging, INT8_FILE))
+        if grids:  # weights on recorded grids: their codes beside the dense files (which hold code times scale)
+            write_codes(model, layout, grids, staging)
         why = _why_not_packed(model, layout, staging) if packed else None
         if packed and why is None:
             _write_packed(model, layout, os.path.join(staging, PACKED_FILE))

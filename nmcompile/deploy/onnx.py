@@ -6,7 +6,8 @@ provider with ``trt_sparsity_enable``, looks at). The model's ``metadata_props``
 ``nmcompile.sparsity``: a JSON object ``{initializer: {"pattern": "2:4", "axis": k, "parameter":
 name, "recipe": ...}}``, so :func:`check_onnx` (and ``nmcompile check file.onnx``) can verify the
 file later without the model. A weight on a recorded int8 grid is written as int8 codes with a per-channel
-``DequantizeLinear`` (:mod:`nmcompile.deploy.onnx_int8`). Requires ``onnx``, ``onnxscript`` and ``onnxruntime``
+``DequantizeLinear``, one on a 4-bit grid as INT4 codes with a blocked one (opset 21; int8 storage in older
+opsets) (:mod:`nmcompile.deploy.onnx_quantized`). Requires ``onnx``, ``onnxscript`` and ``onnxruntime``
 (``pip install "nmcompile[onnx]"``).
 """
 
@@ -28,7 +29,7 @@ from ..masks.compliance import CheckReport, check_one, selects
 from ..pattern import NMPattern
 from ..kernels.cpu24.weight import PackedLinearWeight
 from ..state import records
-from .onnx_int8 import int8_problem, quantize_initializers
+from .onnx_quantized import BLOCKED_OPSET, codes_matrix, codes_problem, quantize_initializers
 
 __all__ = ["export_onnx", "check_onnx", "OnnxExportReport", "METADATA_KEY"]
 
@@ -136,7 +137,8 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         path: the ``.onnx`` file to write.
         dynamic_batch: make dim 0 of every tensor input dynamic (``batch``).
         verify: run the file with onnxruntime (CPU) and compare with the model's outputs.
-        opset: ONNX opset (default: the exporter's).
+        opset: ONNX opset (default: the exporter's; 21 for a model with weights on 4-bit grids, whose blocked
+            DequantizeLinear needs it).
         export_kwargs: passed to ``torch.onnx.export``. ``external_data`` (default: only for a model of more
             than 1 GiB of tensors) writes the tensors to ``path + ".data"`` beside the file, which refers to it;
             without it every tensor is inline and nothing else is written.
@@ -166,6 +168,11 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
         batch = torch.export.Dim("batch")
         shapes = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
         export_kwargs.setdefault("dynamic_shapes", shapes)
+    grids = {name: (bits, records.get(module, key, pname)) for name, places in owners(model)
+             for _, module, pname in places[:1] for bits, key in ((8, records.INT8), (4, records.INT4))
+             if name in finalized and records.get(module, key, pname) is not None}
+    if opset is None and any(bits == 4 for bits, _ in grids.values()):
+        opset = BLOCKED_OPSET
     if opset is not None:
         export_kwargs["opset_version"] = opset
     path = os.fspath(path)
@@ -186,9 +193,7 @@ def export_onnx(model: nn.Module, args, path, *, dynamic_batch: bool = True, ver
             )
         axis = (1 - record.dim) if transposed else record.dim
         entries[init_name] = {"pattern": str(record.pattern), "axis": axis, "parameter": name, "recipe": record.recipe}
-    grids = {name: records.get(module, records.INT8, pname) for name, places in owners(model)
-             for _, module, pname in places[:1] if name in finalized and records.get(module, records.INT8, pname) is not None}
-    quantize_initializers(proto, entries, grids)  # weights on int8 grids: int8 codes, DequantizeLinear
+    quantize_initializers(proto, entries, grids)  # weights on recorded grids: their codes, dequantized
     del proto.metadata_props[:]
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(entries, sort_keys=True))
     if external:  # the tensors go back to the one file beside the model that the model refers to
@@ -303,10 +308,10 @@ def check_onnx(path, pattern: NMPattern | None = None, *, dim: int = 1, only=Non
             continue
         array = numpy_helper.to_array(init)
         entry = (recorded or {}).get(init.name)
-        if entry is not None and entry.get("bits") == 8:  # int8 codes, dequantized per output channel
+        if entry is not None and entry.get("bits") in (8, 4):  # codes, dequantized in the graph
             n, m = (int(v) for v in entry["pattern"].split(":"))
-            check_one(report, name, torch.from_numpy(array.astype("float32")), pattern or NMPattern(n, m),
-                      int(entry["axis"]), int8_problem(entry, array, inits))
+            check_one(report, name, torch.from_numpy(codes_matrix(entry, array).astype("float32")),
+                      pattern or NMPattern(n, m), int(entry["axis"]), codes_problem(entry, array, inits))
             continue
         if array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":
             continue  # integer initializers (shapes, indices)

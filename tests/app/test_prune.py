@@ -29,12 +29,12 @@ def char_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
 
 
-def tiny_gpt2_dir(tmp_path):
+def tiny_gpt2_dir(tmp_path, width=32):
     """A tiny GPT-2 with a byte-level tokenizer, written as a local Hugging Face directory."""
     transformers = pytest.importorskip("transformers")
     tokenizer = char_tokenizer()
     vocab = tokenizer.get_vocab()
-    config = transformers.GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+    config = transformers.GPT2Config(vocab_size=len(vocab), n_embd=width, n_layer=2, n_head=4, n_positions=64,
                                      bos_token_id=0, eos_token_id=0, use_cache=False)
     model = transformers.GPT2LMHeadModel(config)
     path = tmp_path / "gpt2"
@@ -45,11 +45,14 @@ def tiny_gpt2_dir(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["sparsegpt:2:4", "wanda:2:4,bits=8"])
+@pytest.mark.parametrize("recipe", ["sparsegpt:2:4", "wanda:2:4,bits=8", "sparsegpt:2:4,bits=4"])
 def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
-    path = tiny_gpt2_dir(tmp_path)
+    bits = 8 if recipe.endswith("bits=8") else 4 if recipe.endswith("bits=4") else None
+    if bits == 4 and "avx2" not in nmcompile.kernels.cpu24.isas():
+        pytest.skip("4-bit values run on the AVX2 kernel")
+    path = tiny_gpt2_dir(tmp_path, 64 if bits == 4 else 32)  # 4-bit: widths a multiple of the group (64)
     out = tmp_path / "pruned"
     code = main(["prune", str(path), "--recipe", recipe, "--calibration", str(tmp_path / "calib.txt"), "--out",
                  str(out), "--seq-len", "32", "--samples", "16", "--quiet"])
@@ -100,16 +103,20 @@ def test_prune_a_local_hugging_face_model(tmp_path, capsys, recipe, monkeypatch)
     assert all(torch.equal(restored[n], w) for n, w in weights.items())
     from nmcompile.kernels import cpu24
 
-    int8 = recipe.endswith("bits=8")
-    assert (out / "model_int8.safetensors").exists() == int8
-    if int8:  # the codes beside the dequantized weights: shipped, recorded, checked
-        assert listed[str(out / "model_int8.safetensors")].split("MB  ")[1].startswith("ship for CPU serving: the 2:4 weights' int8 codes")
-        assert all(w["bits"] == 8 for w in json.loads((out / "nmcompile.json").read_text())["weights"].values())
+    assert (out / "model_int8.safetensors").exists() == (bits == 8)
+    assert (out / "model_int4.safetensors").exists() == (bits == 4)
+    if bits:  # the codes beside the dequantized weights: shipped, recorded, checked
+        codes = "int8 codes" if bits == 8 else "4-bit codes"
+        assert listed[str(out / f"model_int{bits}.safetensors")].split("MB  ")[1].startswith(
+            f"ship for CPU serving: the 2:4 weights' {codes}")
+        assert all(w["bits"] == bits for w in json.loads((out / "nmcompile.json").read_text())["weights"].values())
     if cpu24.status().available:
         held = nmcompile.deploy.load_pretrained(out, packed=True)
-        assert all(getattr(held.get_parameter(n), "quantized", False) == int8 for n in weights)
-        with torch.no_grad():  # int8: the int8 kernel, and the tied head and embedding as int8 rows
-            assert abs(float(held(windows, labels=windows).loss) - after) < (2e-2 if int8 else 1e-3)
+        assert all(getattr(held.get_parameter(n), "quantized", False) == bool(bits) for n in weights)
+        assert all(getattr(held.get_parameter(n), "int4", False) == (bits == 4) for n in weights)
+        with torch.no_grad():  # int8: the int8 kernel, and the tied head and embedding as int8 rows; 4-bit: 4-bit
+            # rows, and int8 activations
+            assert abs(float(held(windows, labels=windows).loss) - after) < {None: 1e-3, 8: 2e-2, 4: 5e-2}[bits]
 
 
 @pytest.mark.slow

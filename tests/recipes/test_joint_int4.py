@@ -1,7 +1,7 @@
 """SparseGPT's joint sparsification and 4-bit quantization (``sparsegpt:2:4,bits=4``, a scale per row and group of
 columns) and Wanda's round to nearest (``wanda:2:4,bits=4``): the solver against the float64 reference written from
 the paper's equations (tests/reference.py), the grid recorded by ``finalize`` and served by ``pack_weights``
-without a second rounding, and refused by ``save_pretrained`` (saved folders do not record 4-bit grids yet)."""
+without a second rounding, and saved with them (``model_int4.safetensors``) so a packed load holds them too."""
 
 from __future__ import annotations
 
@@ -105,17 +105,31 @@ def test_a_width_that_is_not_a_multiple_of_the_group_is_refused_by_name():
         nmcompile.finalize(model.eval(), calibration=[torch.randn(16, 96)])
 
 
-def test_a_hugging_face_model_with_4_bit_grids_is_not_saved_without_them(tmp_path):
+def test_a_hugging_face_model_with_4_bit_grids_saves_and_loads_packed_on_them(tmp_path):
     transformers = pytest.importorskip("transformers")
     from models import tiny_llama
 
+    if "avx2" not in cpu24.isas():
+        pytest.skip("4-bit values run on the AVX2 kernel")
     torch.manual_seed(0)
     model = tiny_llama(transformers, hidden=128, intermediate=256).eval()
-    nmcompile.annotate(model, "wanda:2:4,bits=4", exclude=["lm_head"])
+    nmcompile.annotate(model, "sparsegpt:2:4,bits=4,group=128", exclude=["lm_head"])
     nmcompile.finalize(model, calibration=[torch.randint(0, 256, (2, 16)) for _ in range(2)])
-    with pytest.raises(NotImplementedError, match=r"layers.0.self_attn.q_proj.weight holds a one-shot solve's 4-bit grid"):
-        nmcompile.deploy.save_pretrained(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()  # refused before anything was written
+    nmcompile.deploy.save_pretrained(model, tmp_path / "out")
+    grids = {n: records.get(model.get_submodule(n.rsplit(".", 1)[0]), records.INT4, "weight")
+             for n, _ in model.named_parameters() if n.endswith("proj.weight")}
+    decisions = nmcompile.deploy.pack_weights(model, measure=False)  # in this process, on the solve's grids
+    assert all("the one-shot solve's 4-bit grid (groups of 128)" in decisions[n].reason for n in grids)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        expected = model(ids).logits
+    loaded = nmcompile.deploy.load_pretrained(tmp_path / "out", packed=True, measure=False)
+    for name, grid in grids.items():  # the solve's grid, not a second rounding
+        p = loaded.get_parameter(name)
+        assert p.int4 and p.group == 128 and torch.equal(p.dense(), model.get_parameter(name).dense()), name
+        assert torch.equal(records.get(loaded.get_submodule(name.rsplit(".", 1)[0]), records.INT4, "weight"), grid)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec, key", [("sparsegpt:2:4,bits=8", records.INT8), ("sparsegpt:2:4,bits=4", records.INT4)])
