@@ -216,3 +216,23 @@ def int4_groups(w, group):
     quotient = (w.float() / torch.where(dd != 0, dd, 1.0).float()).double()
     codes = torch.where(dd != 0, torch.round(quotient), 0.0).clamp(-8, 7)
     return codes, d
+
+
+def distillation_kl(student, teacher, temperature):
+    """Hinton et al.'s soft-target term: T^2 * mean over positions of sum_v p_v (log p_v - log q_v), p =
+    softmax(teacher / T), q = softmax(student / T); float64, the softmax written out."""
+    s, t = student.double().reshape(-1, student.shape[-1]) / temperature, teacher.double().reshape(-1, teacher.shape[-1]) / temperature
+    p = torch.exp(t - t.max(-1, keepdim=True).values)
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.exp(s - s.max(-1, keepdim=True).values)
+    q = q / q.sum(-1, keepdim=True)
+    return float((p * (torch.log(p) - torch.log(q))).sum(-1).mean()) * temperature ** 2
+
+
+def squarehead(student_states, teacher_states):
+    """SquareHead's layer-wise term: sum over blocks of MSE(h_s, h_t) / Var(h_t), float64 (population variance)."""
+    total = 0.0
+    for s, t in zip(student_states, teacher_states):
+        s, t = s.double().flatten(), t.double().flatten()
+        total += float(((s - t) ** 2).sum() / s.numel()) / float(((t - t.mean()) ** 2).sum() / t.numel())
+    return total

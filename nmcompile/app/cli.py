@@ -9,6 +9,8 @@
     nmcompile report RUN_DIR                         plots of a recorded run
     nmcompile prune MODEL --recipe sparsegpt:2:4 --calibration FILE --out DIR
                                                      one-shot N:M of a trained model from calibration text
+    nmcompile recover PRUNED_DIR --teacher DENSE_DIR --data TEXT --steps N --out DIR
+                                                     distill the dense model back into a pruned one, mask kept
     nmcompile tune DIR [--threads N]... [--dtype fp32]...
                                                      time the 2:4 CPU deploy decisions of a model's shapes once
 """
@@ -97,6 +99,23 @@ def _prune(args) -> int:
         return 2
     except Exception as err:  # anything else still ends in one line, with its type, not a traceback
         print(f"nmcompile prune: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
+
+
+def _recover(args) -> int:
+    from .recover import format_summary, recover_model
+
+    try:
+        summary = recover_model(
+            args.pruned, args.teacher, args.data, args.out, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
+            batch_size=args.batch, recipe=args.recipe, temperature=args.temperature, task=args.task,
+            layers=args.layers, held_out=args.held_out, save_every=args.save_every, seed=args.seed,
+            overwrite=args.overwrite, progress=not args.quiet)
+    except Exception as err:  # one line, with its type where it is not a plain bad input, not a traceback
+        plain = isinstance(err, (ImportError, ValueError, OSError, RuntimeError))
+        print(f"nmcompile recover: {err if plain else f'{type(err).__name__}: {err}'}", file=sys.stderr)
         return 2
     print(format_summary(summary))
     return 0
@@ -287,6 +306,38 @@ def main(argv=None) -> int:
                    "the cores (by default a busy machine's timings are shown, not stored)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=_tune)
+    p = sub.add_parser(
+        "recover", help="distill the dense model back into a pruned one with its N:M mask kept",
+        description="Loads a pruned Hugging Face directory (nmcompile prune's) and its dense teacher, tokenizes the "
+        "text with the pruned directory's tokenizer (the last tenth held out), trains the pruned model through "
+        "torch.compile(backend='nmsparse') with --recipe (default asp:2:4,permute=0: each N:M weight keeps its mask) "
+        "on the teacher's logits (KL at --temperature) plus the labels' cross entropy (--task) and SquareHead's "
+        "layer-wise term (--layers), on the GPU it finds or the CPU, with a progress bar; checkpoints every "
+        "--save-every steps beside --out so a rerun with the same arguments resumes; prints the held-out loss of "
+        "the teacher and of the pruned model before and after, and writes --out whole or not at all (nmcompile "
+        "check passes; load_pretrained(OUT, packed=True) serves it). No network access. Exit status 2 on bad input.",
+    )
+    p.add_argument("pruned", help="the pruned model's directory (nmcompile prune --out)")
+    p.add_argument("--teacher", required=True, help="the dense model's directory it was pruned from")
+    p.add_argument("--data", required=True, help="training text (UTF-8), or a .pt tensor of token ids")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, constant (default 1e-4)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default 128)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="windows per step (default 8)")
+    p.add_argument("--recipe", default="asp:2:4,permute=0", help="the recipe trained (default asp:2:4,permute=0, "
+                   "the mask kept; sr_ste:2:4 learns it further)")
+    p.add_argument("--temperature", type=float, default=1.0, help="of the logits' KL (default 1)")
+    p.add_argument("--task", type=float, default=1.0, help="weight of the labels' cross entropy (default 1; 0: "
+                   "distillation alone)")
+    p.add_argument("--layers", type=float, default=0.0, help="weight of SquareHead's layer-wise term (default 0)")
+    p.add_argument("--held-out", default=None, help="held-out text (default: the last tenth of --data)")
+    p.add_argument("--save-every", type=_positive_int, default=50, help="steps between resumable states (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="of the windows' order (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out that nmcompile recover did "
+                   "not write (its weights files are replaced, its other files stay)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_recover)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,8 +1,5 @@
-"""``nmcompile prune``: one-shot N:M pruning of a trained causal language model from calibration text.
-
-    nmcompile prune MODEL --recipe sparsegpt:2:4 --calibration FILE --out DIR
-
-``MODEL`` is a local Hugging Face model directory (``config.json``, weights, tokenizer) or a
+"""``nmcompile prune MODEL --recipe sparsegpt:2:4 --calibration FILE --out DIR``: one-shot N:M pruning of a
+trained causal language model from calibration text. ``MODEL`` is a local Hugging Face model directory (``config.json``, weights, tokenizer) or a
 ``torch.save``'d ``nn.Module`` (a ``.pt`` file of a whole model, loaded with ``weights_only=False``:
 only for files you trust). Nothing is downloaded. The calibration text is tokenised with the model's
 tokenizer (a ``.pt`` model: ``--tokenizer DIR``, its ``chars`` attribute for a character model, or a
@@ -155,8 +152,7 @@ def _inputs(batch: torch.Tensor, kind: str):
 
 
 def _logits(model, batch, kind: str = "pt"):
-    out = run_batch(model, _inputs(batch, kind))
-    return out if isinstance(out, torch.Tensor) else out.logits
+    return getattr(out := run_batch(model, _inputs(batch, kind)), "logits", out)
 
 
 #: float32 logits held at once by the loss (a 128k vocabulary at 512 tokens is 262 MB a window)
@@ -220,26 +216,28 @@ def _check_ids(model, ids: torch.Tensor, seq_len: int, where: str) -> None:
                          f"{vocab} (ids 0 to {vocab - 1}); the ids were made by another tokenizer")
 
 
-def _output_folder(out: str, model_path: str, overwrite: bool) -> tuple[str, Callable[[str], bool]]:
+def _output_folder(out: str, model_paths, overwrite: bool, record_name: str = RECORD,
+                   command: str = "nmcompile prune") -> tuple[str, Callable[[str], bool]]:
     """Check ``out`` before any work; ``(folder, keep)``: the folder to write (through a link) and which of
-    its entries the new output keeps. Refused: the input model itself, a folder holding it or inside it, a
-    path that cannot be written, and a non-empty folder that no earlier ``nmcompile prune`` wrote (unless
-    ``overwrite``). What an earlier prune did not write (a user's files) is kept; a folder written into with
-    ``overwrite`` loses its weights files (those :func:`nmcompile.deploy.save_pretrained` replaces) only."""
-    what = "nmcompile prune --out"
+    its entries the new output keeps. Refused: an input model (``model_paths``: one or a list), a folder holding
+    one or inside one, a path that cannot be written, and a non-empty folder that no earlier run of ``command``
+    wrote (its record ``record_name``; unless ``overwrite``). What an earlier run did not write (a user's files)
+    is kept; a folder written into with ``overwrite`` loses its weights files only."""
+    what = f"{command} --out"
     real_out = folders.resolve(out, what)
-    real_model = os.path.realpath(model_path)
-    if real_out == real_model or real_model.startswith(real_out + os.sep) or real_out.startswith(real_model + os.sep):
-        raise ValueError(f"--out {out} is (or holds, or is inside) the input model {model_path}: the dense model would "
-                         "be overwritten; give another folder")
-    record = os.path.join(real_out, RECORD)
+    for model_path in [model_paths] if isinstance(model_paths, str) else model_paths:
+        real_model = os.path.realpath(model_path)
+        if real_out == real_model or real_model.startswith(real_out + os.sep) or real_out.startswith(real_model + os.sep):
+            raise ValueError(f"--out {out} is (or holds, or is inside) the input model {model_path}: that model would "
+                             "be overwritten; give another folder")
+    record = os.path.join(real_out, record_name)
     if os.path.isdir(real_out) and os.listdir(real_out) and not overwrite and not os.path.exists(record):
-        raise ValueError(f"--out {out} is a non-empty folder that nmcompile prune did not write; give an empty or new "
+        raise ValueError(f"--out {out} is a non-empty folder that {command} did not write; give an empty or new "
                          "folder, or --overwrite to replace the model in it (its weights files go; other files stay)")
     folders.check_writable(real_out, what)
     folders.clean_stale(real_out, what)
     if os.path.exists(record):
-        written = _written_by_earlier(record)
+        written = _written_by_earlier(record) | {record_name}
         return real_out, (lambda name: name not in written)
     return real_out, (lambda name: not saving.weight_file(name))  # --overwrite: the model in it is replaced
 
@@ -254,7 +252,7 @@ def _written_by_earlier(record: str) -> set[str]:
     out = os.path.dirname(record)
     names = {os.path.relpath(os.path.join(out, f) if not os.path.isabs(f) else f, out).split(os.sep)[0]
              for f in files if isinstance(f, str)}
-    return names | {RECORD}
+    return names
 
 
 def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, held_out: str | None = None,
@@ -339,7 +337,6 @@ def prune_model(model_path: str, recipe: str, calibration: str, out: str, *, hel
 
 def _dtype_of(model) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
 
 def file_role(name: str) -> str:
     """What a file of a pruned folder is for: "ship" (any server), "ship for CPU serving", "ship for dense loads..."."""

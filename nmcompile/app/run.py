@@ -86,6 +86,7 @@ def train_run(
     schedule: str = "constant",
     warmup: float = 0.05,
     eval_first: bool = False,
+    distill=None,
 ) -> dict:
     """Train ``model`` for ``steps`` AdamW steps (``recipe`` None: dense, compiled by Inductor).
 
@@ -98,7 +99,9 @@ def train_run(
     checked after each step: the record's ``steps_run`` says how many ran and ``stopped`` why
     (``"time"``, or None when every step ran). ``eval_first``: evaluate after the first step too, so
     that the evaluation graph compiles at the start, inside the time checks, not after the last step.
-    ``first_step_seconds`` is the time to the end of the first step (and that evaluation).
+    ``first_step_seconds`` is the time to the end of the first step (and that evaluation). ``distill``: a
+    :class:`~nmcompile.training.distill.Distillation` made for ``model``, whose loss (given ``loss_fn`` as its
+    task loss) replaces ``loss_fn``'s.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"train_run: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -128,7 +131,7 @@ def train_run(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, schedule, warmup)
         inputs, targets = batches(step)
-        loss = loss_fn(compiled(inputs), targets)
+        loss = loss_fn(compiled(inputs), targets) if distill is None else distill(compiled, inputs, targets, loss_fn)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -10,7 +10,7 @@ import nmcompile
 from nmcompile.app.cli import main as cli
 from nmcompile.app.datasets import CharCorpus
 from nmcompile.app.demo import format_summary, run_demo
-from nmcompile.app.demo_summary import deploy_line, reference_line, training_line, uses_kernel
+from nmcompile.app.demo import deploy_line, reference_line, training_line, uses_kernel
 from nmcompile.app.progress import Progress
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET:\nO Romeo, Romeo.\n" * 40

@@ -1,0 +1,170 @@
+"""Getting back what one-shot pruning costs: SparseGPT 2:4 in one shot, then recovery with the mask kept, against
+the dense model, on the character GPT and a tiny Llama.
+
+Per seed and model: the study's dense model trained 3 000 steps (``benchmarks/quality/quality_int8.py``'s
+``dense_model``), pruned 2:4 by SparseGPT in one shot from the study's calibration batches (128 train sequences of
+64 characters), then ``--steps`` AdamW steps (default 300, lr ``--lr``, constant) on a fresh batch stream, every
+row with ``asp:2:4,permute=0`` (the mask is the one-shot's non-zeros, kept) through ``backend="nmsparse"``:
+
+- ``finetune``: cross entropy on the labels (plain fine-tuning);
+- ``kd``: the dense teacher's logits, KL at temperature 1 (:class:`nmcompile.training.distill.Distillation`);
+- ``kd+layers``: that plus SquareHead's layer-wise term (each block's output, normalized MSE), weight 1;
+- ``kd+task``: logits plus the labels' cross entropy, weight 1 each.
+
+A row: dense, one-shot and recovered held-out loss, the share of one-shot's gap to dense that the recovery
+closed, seconds a step (the compile excluded: the first 10 steps), and whether every pruned weight is still 2:4.
+Rows go to a JSON-lines file (appended; done rows skipped); ``--markdown`` prints the table and the targets.
+
+    python benchmarks/quality/quality_recover.py --seeds 0 1 2          # ~40 min on 2 cores
+    python benchmarks/quality/quality_recover.py --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: the repository root, after the installed packages
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.quality.quality import Task  # noqa: E402
+from benchmarks.quality.quality_int8 import LlamaLM, dense_model  # noqa: E402
+from benchmarks.quality.quality_oneshot import calibration_batches, prune  # noqa: E402
+from benchmarks.toolbox import RESULTS as RESULTS_DIR  # noqa: E402
+import nmcompile  # noqa: E402
+from nmcompile.app.datasets import CharCorpus, shakespeare  # noqa: E402
+from nmcompile.app.run import train_run  # noqa: E402
+from nmcompile.training.distill import Distillation  # noqa: E402
+
+RESULTS = str(RESULTS_DIR / "quality_recover.jsonl")
+METHODS = ("finetune", "kd", "kd+layers", "kd+task")
+MODELS = ("gpt", "llama")
+FRESH_STREAM = 3000  # the recovery's batches: their own generator, not the dense run's
+
+
+def _make(model_name: str, task: Task, vocab: int):
+    return task.make() if model_name == "gpt" else LlamaLM(vocab)
+
+
+def recover(model_name: str, method: str, task: Task, corpus, state: dict, steps: int, lr: float) -> dict:
+    torch.compiler.reset()
+    torch.manual_seed(task.seed)
+    student, teacher = _make(model_name, task, corpus.vocab), _make(model_name, task, corpus.vocab)
+    student.load_state_dict(state)
+    teacher.load_state_dict(state)
+    exclude = task.exclude if model_name == "gpt" else ["lm.lm_head"]
+    prune(student, "sparsegpt", "2:4", calibration_batches(corpus, task.seed), exclude)
+    student.eval()
+    with torch.no_grad():
+        oneshot = float(task.evaluate(student))
+    zeros = {n: p == 0 for n, p in student.named_parameters() if p.dim() == 2 and bool((p == 0).any())}
+    torch.compiler.reset()
+    gen = torch.Generator().manual_seed(task.seed + FRESH_STREAM)
+    batches = lambda step: corpus.batch("train", 32, 64, gen)  # noqa: E731
+    distill = None
+    if method != "finetune":
+        distill = Distillation(student, teacher, layers=1.0 if "layers" in method else 0.0,
+                               task=1.0 if "task" in method else 0.0)
+    times = []
+
+    def timed(step):
+        times.append(time.perf_counter())
+        return batches(step)
+
+    try:
+        out = train_run(student, "asp:2:4,permute=0", timed, task.loss, task.evaluate, steps=steps, lr=lr,
+                        exclude=exclude, eval_every=steps, label=f"{model_name} {method} s{task.seed}", distill=distill)
+    finally:
+        if distill is not None:
+            distill.close()
+    effective = nmcompile.effective_weights(student)
+    kept = all(bool((effective[n][z] == 0).all()) for n, z in zeros.items())
+    per_step = (times[-1] - times[10]) / (len(times) - 11) if len(times) > 11 else None
+    return {"oneshot_eval": oneshot, "recovered_eval": out["record"]["final_eval"], "seconds_per_step": per_step,
+            "zeros_kept": kept, "steps": steps, "lr": lr}
+
+
+def run(models, seeds, methods, steps: int, lr: float, results: str) -> None:
+    done = set()
+    if os.path.exists(results):
+        with open(results) as handle:
+            done = {(r["model"], r["method"], r["seed"], r["steps"]) for r in map(json.loads, handle)}
+    results_dir = os.path.dirname(os.path.abspath(results))
+    corpus = CharCorpus(shakespeare())
+    for model_name in models:
+        for seed in seeds:
+            todo = [m for m in methods if (model_name, m, seed, steps) not in done]
+            if not todo:
+                continue
+            task = Task("gpt", seed, corpus)
+            dense = dense_model(model_name, task, corpus, results_dir)
+            state = {k: v.clone() for k, v in dense.state_dict().items()}
+            dense.eval()
+            with torch.no_grad():
+                dense_eval = float(task.evaluate(dense))
+            for method in todo:
+                start = time.perf_counter()
+                row = {"model": model_name, "method": method, "seed": seed, "dense_eval": dense_eval,
+                       **recover(model_name, method, task, corpus, state, steps, lr)}
+                row["closed"] = (row["oneshot_eval"] - row["recovered_eval"]) / (row["oneshot_eval"] - dense_eval)
+                row["wall"] = time.perf_counter() - start
+                print(json.dumps(row), file=sys.stderr)
+                with open(results, "a") as handle:
+                    handle.write(json.dumps(row) + "\n")
+
+
+def markdown(results: str) -> str:
+    with open(results) as handle:
+        rows = [json.loads(line) for line in handle]
+    lines = ["| model | method | steps | seeds | dense | one-shot 2:4 | recovered | gap closed (per seed) | s/step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    verdicts = []
+    for model in MODELS:
+        for steps in sorted({r["steps"] for r in rows if r["model"] == model}):
+            by = {(r["method"], r["seed"]): r for r in rows if r["model"] == model and r["steps"] == steps}
+            for method in METHODS:
+                mine = sorted((r for (m, _), r in by.items() if m == method), key=lambda r: r["seed"])
+                if not mine:
+                    continue
+                mean = lambda key: statistics.fmean(r[key] for r in mine)  # noqa: E731
+                closed = ", ".join(f"{r['closed']:.0%}" for r in mine)
+                step_s = [r["seconds_per_step"] for r in mine if r["seconds_per_step"]]
+                lines.append(f"| {model} | {method} | {steps} | {len(mine)} | {mean('dense_eval'):.4f} | "
+                             f"{mean('oneshot_eval'):.4f} | {mean('recovered_eval'):.4f} | {mean('closed'):.0%} "
+                             f"({closed}) | {statistics.fmean(step_s) if step_s else float('nan'):.3f} |")
+                if not all(r["zeros_kept"] for r in mine):
+                    verdicts.append(f"- {model} {method}: a pruned weight lost a zero: **mask not kept**")
+            for method in METHODS[1:]:
+                seeds = sorted(s for m, s in by if m == method and ("finetune", s) in by)
+                if model == "gpt" and steps <= 300 and seeds:
+                    closes = min(by[(method, s)]["closed"] for s in seeds)
+                    beats = all(by[(method, s)]["recovered_eval"] < by[("finetune", s)]["recovered_eval"] for s in seeds)
+                    verdicts.append(f"- {model} {method}, {steps} steps: closes at least 90% of the gap in every seed: "
+                                    f"**{'met' if closes >= 0.9 else 'missed'}** (least {closes:.0%}); below plain "
+                                    f"fine-tuning in every seed: **{'met' if beats else 'missed'}**")
+    return "\n".join(lines + [""] + verdicts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--results", default=RESULTS)
+    parser.add_argument("--markdown", action="store_true", help="print the table and the targets, run nothing")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.results))
+        return
+    run(args.models, args.seeds, args.methods, args.steps, args.lr, args.results)
+
+
+if __name__ == "__main__":
+    main()

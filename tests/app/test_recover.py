@@ -1,0 +1,123 @@
+"""``nmcompile recover``: a pruned Hugging Face directory distilled from its dense teacher with its mask kept,
+written whole (check passes, a packed load serves it), resumed where an interrupted run stopped, and bad input
+refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import nmcompile
+from nmcompile.app import recover as recover_module
+from nmcompile.app.cli import main
+from nmcompile.training.distill import Distillation
+
+from test_prune import TEXT, tiny_gpt2_dir
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory):
+    """``(dense dir, pruned dir, text file)``: a tiny GPT-2 trained a little on the text, then SparseGPT 2:4."""
+    tmp = tmp_path_factory.mktemp("recover")
+    torch.manual_seed(0)
+    dense = tiny_gpt2_dir(tmp, 64)
+    model = transformers.AutoModelForCausalLM.from_pretrained(dense, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(dense, local_files_only=True)
+    ids = torch.tensor(tokenizer(TEXT)["input_ids"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(150):  # well better than chance, so that pruning costs something
+        starts = torch.randint(len(ids) - 33, (8,), generator=gen)
+        batch = torch.stack([ids[s:s + 32] for s in starts])
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(dense)
+    out = tmp / "pruned"
+    assert main(["prune", str(dense), "--recipe", "sparsegpt:2:4", "--calibration", str(tmp / "calib.txt"), "--out",
+                 str(out), "--seq-len", "32", "--samples", "8", "--quiet"]) == 0
+    return dense, out, tmp / "calib.txt"
+
+
+def _args(pruned, out, steps=30, *extra):
+    dense, directory, text = pruned
+    return ["recover", str(directory), "--teacher", str(dense), "--data", str(text), "--out", str(out), "--steps",
+            str(steps), "--seq-len", "32", "--batch", "4", "--lr", "1e-3", "--quiet", *extra]
+
+
+def _weights(directory):
+    model = nmcompile.deploy.load_pretrained(directory)
+    return {n: p.detach() for n, p in model.named_parameters() if n.endswith(("c_attn.weight", "c_proj.weight",
+                                                                                 "c_fc.weight"))}
+
+
+def test_recover_closes_the_gap_keeps_the_mask_and_writes_a_servable_directory(pruned, tmp_path, capsys):
+    out = tmp_path / "recovered"
+    assert main(_args(pruned, out)) == 0
+    text = capsys.readouterr().out
+    assert "nmcompile recover: 8 N:M weights trained 30 steps with asp:2:4,permute=0 on cpu" in text
+    teacher, before, after = (float(text.split(name)[1].split()[0].rstrip(",")) for name in
+                              ("teacher ", "pruned ", "-> recovered "))
+    assert teacher < before and after < before - 0.3 * (before - teacher)  # the gap closes
+    record = json.loads((out / "nmcompile-recover.json").read_text())
+    assert record["loss_after"] == pytest.approx(after, abs=1e-4) and record["steps"] == 30
+    was, now = _weights(pruned[1]), _weights(out)
+    assert set(was) == set(now) and len(now) == 8
+    for name, w in now.items():  # the one-shot's mask, exactly: no zero lost, none added
+        assert torch.equal(w == 0, was[name] == 0), name
+        assert not torch.equal(w, was[name]), name  # and trained
+    assert main(["check", str(out)]) == 0
+    if nmcompile.kernels.cpu24.status().available:
+        served = nmcompile.deploy.load_pretrained(out, packed=True)
+        assert type(served.transformer.h[0].mlp.c_fc.weight).__name__ == "PackedLinearWeight"
+    assert not (tmp_path / "recovered.recover-state.pt").exists()
+
+
+def test_an_interrupted_recovery_resumes_where_it_stopped(pruned, tmp_path, monkeypatch):
+    whole = tmp_path / "whole"
+    assert main(_args(pruned, whole, 20, "--save-every", "10")) == 0
+    calls = []
+    real = Distillation.__call__
+
+    def dies(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 15:
+            raise KeyboardInterrupt  # a kill after the state of step 10 was written
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Distillation, "__call__", dies)
+    cut = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        recover_module.recover_model(*[str(p) for p in (pruned[1], pruned[0], pruned[2], cut)], steps=20, lr=1e-3,
+                                     seq_len=32, batch_size=4, save_every=10, progress=False)
+    assert not cut.exists() and (tmp_path / "cut.recover-state.pt").exists()
+    monkeypatch.setattr(Distillation, "__call__", real)
+    summary = recover_module.recover_model(*[str(p) for p in (pruned[1], pruned[0], pruned[2], cut)], steps=20,
+                                           lr=1e-3, seq_len=32, batch_size=4, save_every=10, progress=False)
+    assert summary.resumed_at == 10 and not (tmp_path / "cut.recover-state.pt").exists()
+    a, b = _weights(whole), _weights(cut)
+    assert all(torch.allclose(a[n], b[n], atol=1e-6) for n in a)  # the same run as the uninterrupted one
+
+
+def test_bad_input_is_refused_by_name(pruned, tmp_path, capsys):
+    dense, directory, text = pruned
+    assert main(_args(pruned, directory)) == 2  # --out is the input
+    assert "is (or holds, or is inside) the input model" in capsys.readouterr().err
+    quantized = tmp_path / "q"
+    quantized.mkdir()
+    for f in directory.iterdir():
+        (quantized / f.name).write_bytes(f.read_bytes())
+    record = json.loads((quantized / "nmcompile.json").read_text())
+    next(iter(record["weights"].values()))["bits"] = 8
+    (quantized / "nmcompile.json").write_text(json.dumps(record))
+    assert main(["recover", str(quantized), "--teacher", str(dense), "--data", str(text), "--out",
+                 str(tmp_path / "o"), "--quiet"]) == 2
+    assert "hold int8 or 4-bit values, whose recovery is not built yet" in capsys.readouterr().err
+    assert main(_args(pruned, tmp_path / "o2", 5, "--seq-len", "1")) == 2
+    assert "--seq-len 1: must be at least 2" in capsys.readouterr().err
