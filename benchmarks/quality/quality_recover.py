@@ -9,7 +9,11 @@ row with ``asp:2:4,permute=0`` (the mask is the one-shot's non-zeros, kept) thro
 - ``finetune``: cross entropy on the labels (plain fine-tuning);
 - ``kd``: the dense teacher's logits, KL at temperature 1 (:class:`nmcompile.training.distill.Distillation`);
 - ``kd+layers``: that plus SquareHead's layer-wise term (each block's output, normalized MSE), weight 1;
-- ``kd+task``: logits plus the labels' cross entropy, weight 1 each.
+- ``kd+task``: logits plus the labels' cross entropy, weight 1 each;
+- ``lora``: ``kd+task`` training only LoRA adapters (``peft``, rank 16, alpha 32, on every block linear; the base
+  weights frozen), whose updates the backend masks by each layer's mask; then
+  :func:`nmcompile.deploy.merge_adapters`. The row also records the unmerged model's loss and a plain merge's
+  (``peft``'s ``merge_and_unload``, then each weight pruned back to 2:4 by magnitude).
 
 A row: dense, one-shot and recovered held-out loss, the share of one-shot's gap to dense that the recovery
 closed, seconds a step (the compile excluded: the first 10 steps), and whether every pruned weight is still 2:4.
@@ -22,6 +26,7 @@ Rows go to a JSON-lines file (appended; done rows skipped); ``--markdown`` print
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -39,10 +44,14 @@ from benchmarks.toolbox import RESULTS as RESULTS_DIR  # noqa: E402
 import nmcompile  # noqa: E402
 from nmcompile.app.datasets import CharCorpus, shakespeare  # noqa: E402
 from nmcompile.app.run import train_run  # noqa: E402
+from nmcompile.masks import keep_mask  # noqa: E402
 from nmcompile.training.distill import Distillation  # noqa: E402
 
 RESULTS = str(RESULTS_DIR / "quality_recover.jsonl")
-METHODS = ("finetune", "kd", "kd+layers", "kd+task")
+METHODS = ("finetune", "kd", "kd+layers", "kd+task", "lora")
+#: the LoRA row's adapters: rank, alpha, and the block linears of each model
+LORA = (16, 32, {"gpt": ["qkv", "attn.proj", "fc", "mlp.proj"],
+                 "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
 MODELS = ("gpt", "llama")
 FRESH_STREAM = 3000  # the recovery's batches: their own generator, not the dense run's
 
@@ -66,10 +75,16 @@ def recover(model_name: str, method: str, task: Task, corpus, state: dict, steps
     torch.compiler.reset()
     gen = torch.Generator().manual_seed(task.seed + FRESH_STREAM)
     batches = lambda step: corpus.batch("train", 32, 64, gen)  # noqa: E731
-    distill = None
+    distill, trained = None, student
+    if method == "lora":
+        import peft
+
+        rank, alpha, targets = LORA
+        trained = peft.get_peft_model(student, peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+                                                               target_modules=targets[model_name]))
     if method != "finetune":
-        distill = Distillation(student, teacher, layers=1.0 if "layers" in method else 0.0,
-                               task=1.0 if "task" in method else 0.0)
+        distill = Distillation(trained, teacher, layers=1.0 if "layers" in method else 0.0,
+                               task=1.0 if "task" in method or method == "lora" else 0.0)
     times = []
 
     def timed(step):
@@ -77,16 +92,29 @@ def recover(model_name: str, method: str, task: Task, corpus, state: dict, steps
         return batches(step)
 
     try:
-        out = train_run(student, "asp:2:4,permute=0", timed, task.loss, task.evaluate, steps=steps, lr=lr,
+        out = train_run(trained, "asp:2:4,permute=0", timed, task.loss, task.evaluate, steps=steps, lr=lr,
                         exclude=exclude, eval_every=steps, label=f"{model_name} {method} s{task.seed}", distill=distill)
     finally:
         if distill is not None:
             distill.close()
-    effective = nmcompile.effective_weights(student)
+    extra = {}
+    if method == "lora":  # the masked merge against the unmerged model and a plain merge pruned back to 2:4
+        extra["unmerged_eval"] = out["record"]["final_eval"]
+        plain = copy.deepcopy(trained).merge_and_unload()
+        with torch.no_grad():
+            for name, p in plain.named_parameters():
+                if name in zeros:
+                    p.mul_(keep_mask(p, 2, 4, dim=1))
+            extra["plain_merge_eval"] = float(task.evaluate(plain.eval()))
+        student = nmcompile.deploy.merge_adapters(trained).eval()
+        with torch.no_grad():
+            out["record"]["final_eval"] = float(task.evaluate(student))
+        extra["merged_2_4"] = nmcompile.check(student).ok
+    effective = nmcompile.effective_weights(student) if method != "lora" else dict(student.named_parameters())
     kept = all(bool((effective[n][z] == 0).all()) for n, z in zeros.items())
     per_step = (times[-1] - times[10]) / (len(times) - 11) if len(times) > 11 else None
     return {"oneshot_eval": oneshot, "recovered_eval": out["record"]["final_eval"], "seconds_per_step": per_step,
-            "zeros_kept": kept, "steps": steps, "lr": lr}
+            "zeros_kept": kept, "steps": steps, "lr": lr, **extra}
 
 
 def run(models, seeds, methods, steps: int, lr: float, results: str) -> None:

@@ -70,8 +70,10 @@ def _state_path(out: str) -> str:
 def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int = 200, lr: float = 1e-4,
                   seq_len: int = 128, batch_size: int = 8, recipe: str = "asp:2:4,permute=0", temperature: float = 1.0,
                   task: float = 1.0, layers: float = 0.0, held_out: str | None = None, save_every: int = 50,
-                  seed: int = 0, overwrite: bool = False, progress: bool = True) -> RecoverSummary:
-    """Recover ``pruned`` by distillation from ``teacher`` on the text ``data``; see the module doc."""
+                  seed: int = 0, inner: str | None = None, overwrite: bool = False,
+                  progress: bool = True) -> RecoverSummary:
+    """Recover ``pruned`` by distillation from ``teacher`` on the text ``data``; see the module doc. ``inner``: the
+    backend's inner compiler (default Inductor)."""
     start = time.perf_counter()
     for flag, value in (("--steps", steps), ("--seq-len", seq_len - 1), ("--batch", batch_size),
                         ("--save-every", save_every)):
@@ -122,7 +124,7 @@ def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     student.to(device)
     dense.to(device)
-    compiled = torch.compile(student, backend="nmsparse", dynamic=False)
+    compiled = torch.compile(student, backend="nmsparse", dynamic=False, options={"inner": inner} if inner else None)
     optimizer = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
     state_path, resumed, rng = _state_path(out), 0, None
     args = {"pruned": os.path.abspath(pruned), "teacher": os.path.abspath(teacher), "steps": steps, "lr": lr,

@@ -1,4 +1,4 @@
-"""Weights a declaration keeps dense unless it names them: output heads and MoE routers.
+"""Weights a declaration keeps dense unless it names them: output heads, MoE routers and LoRA adapters.
 
 An output head is a small share of a model's weights and writes every logit; a router ([experts,
 hidden], a handful of rows) saves almost nothing when pruned while it decides where every token
@@ -13,21 +13,24 @@ The built-in globs match module names:
 - output heads: ``lm_head``, ``head``, ``classifier`` (and anything inside a ``classifier``),
   ``score``, a top-level ``output``;
 - MoE routers: ``gate`` and ``shared_expert_gate`` with fewer rows than columns (a gated MLP's
-  ``gate`` projection is wider than its input and is not a router), and anything inside a ``router``.
+  ``gate`` projection is wider than its input and is not a router), and anything inside a ``router``;
+- LoRA adapters (``peft``'s ``lora_A`` / ``lora_B``): low-rank factors, whose product the backend masks by the
+  base layer's mask instead (:mod:`nmcompile.passes.mask_adapter_updates`).
 """
 
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-__all__ = ["HEAD_GLOBS", "ROUTER_GLOBS", "DEFAULT_DENSE", "names_explicitly", "default_reason"]
+__all__ = ["HEAD_GLOBS", "ROUTER_GLOBS", "ADAPTER_GLOBS", "DEFAULT_DENSE", "names_explicitly", "default_reason"]
 
 HEAD_GLOBS = (
     "lm_head", "*.lm_head", "head", "*.head", "classifier", "*.classifier", "classifier.*", "*.classifier.*",
     "score", "*.score", "output",
 )
 ROUTER_GLOBS = ("gate", "*.gate", "*.shared_expert_gate", "router", "*.router", "router.*", "*.router.*")
-DEFAULT_DENSE = HEAD_GLOBS + ROUTER_GLOBS
+ADAPTER_GLOBS = ("*.lora_A.*", "*.lora_B.*", "lora_A.*", "lora_B.*")
+DEFAULT_DENSE = HEAD_GLOBS + ROUTER_GLOBS + ADAPTER_GLOBS
 _WILDCARDS = set("*?[")
 _PARAM_SUFFIXES = ("weight", "weight_orig", "original")
 
@@ -60,9 +63,11 @@ def default_reason(param_name: str, shape=None, globs=DEFAULT_DENSE) -> str | No
             continue
         if globs is DEFAULT_DENSE and glob in ROUTER_GLOBS and "router" not in glob and not _is_router_shape(shape):
             continue  # a gated MLP's `gate` projection, not a router
-        kind = ("an output head" if glob in HEAD_GLOBS else "a MoE router") if globs is DEFAULT_DENSE else "default_dense"
+        kind = ("an output head" if glob in HEAD_GLOBS else "a LoRA adapter" if glob in ADAPTER_GLOBS else "a MoE router") \
+            if globs is DEFAULT_DENSE else "default_dense"
         return (
-            f"kept dense by default: {kind} (matches {glob!r}); output heads and MoE routers stay dense unless "
+            f"kept dense by default: {kind} (matches {glob!r}); output heads, MoE routers and LoRA adapters stay "
+            "dense unless "
             f"a rule or include names them, e.g. {{{module!r}: <recipe>, '*': <recipe>}} or include=[{module!r}, '*'], "
             "or default_dense=[] to let catch-all rules reach them"
         )

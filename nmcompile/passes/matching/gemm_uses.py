@@ -322,6 +322,14 @@ def own_checkpoint_body(user: fx.Node) -> fx.GraphModule:
     return copy
 
 
+def linear_input(user: fx.Node, weight: fx.Node) -> fx.Node | None:
+    """``x`` where ``user`` is ``linear(x, weight)`` with no bias, else None."""
+    if user.op != "call_function" or user.target not in _LINEAR or len(user.args) < 2 or user.args[1] is not weight:
+        return None
+    bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
+    return user.args[0] if bias is None else None
+
+
 def add_input(graph: fx.Graph, after: fx.Node, name: str) -> fx.Node:
     """A placeholder made by the backend (no Dynamo source: the runner passes its value) after ``after``."""
     with graph.inserting_after(after):
