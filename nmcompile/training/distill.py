@@ -73,10 +73,13 @@ def blocks_of(model: nn.Module, blocks: str | list[str] | None = "auto") -> list
 
 class Distillation:
     """The distillation loss of ``student`` (the pruned model) against ``teacher`` (the dense one); see the module
-    doc. ``logits``, ``layers``, ``task``: the weights of the three terms; ``temperature``: the KL's."""
+    doc. ``logits``, ``layers``, ``task``: the weights of the three terms; ``temperature``: the KL's;
+    ``teacher_forward``: how the teacher runs (default the module itself; ``torch.compile(teacher)`` makes its
+    forward cheaper: the hooks on its blocks hold there too)."""
 
     def __init__(self, student: nn.Module, teacher: nn.Module, *, temperature: float = 1.0, logits: float = 1.0,
-                 layers: float = 0.0, task: float = 0.0, blocks: str | list[str] | None = "auto"):
+                 layers: float = 0.0, task: float = 0.0, blocks: str | list[str] | None = "auto",
+                 teacher_forward=None):
         if temperature <= 0 or min(logits, layers, task) < 0 or logits + layers + task <= 0:
             raise ValueError(f"Distillation: temperature {temperature!r} must be > 0 and the weights logits={logits!r}, "
                              f"layers={layers!r}, task={task!r} >= 0, not all 0")
@@ -87,6 +90,7 @@ class Distillation:
                              f"{sorted(map(str, dtypes))}; cast the teacher to the student's dtype "
                              "(teacher.to(dtype)) so both compute alike")
         self.student, self.teacher = student, teacher.eval()
+        self.teacher_forward = teacher if teacher_forward is None else teacher_forward
         self.temperature, self.weights = float(temperature), {"logits": logits, "layers": layers, "task": task}
         self.blocks = blocks_of(student, blocks) if layers else []
         missing = [n for n in self.blocks if n not in dict(teacher.named_modules())]
@@ -108,7 +112,7 @@ class Distillation:
         for seen in self._seen.values():
             seen.clear()
         with torch.no_grad():
-            teacher = _logits(self.teacher(inputs))
+            teacher = _logits(self.teacher_forward(inputs))
         student = _logits(forward(inputs))
         if len(self._seen["student"]) != len(self.blocks) or len(self._seen["teacher"]) != len(self.blocks):
             raise RuntimeError(f"Distillation: {len(self.blocks)} blocks are matched, the student's forward ran "

@@ -65,6 +65,10 @@ def test_the_loss_is_its_weighted_terms_and_the_blocks_are_the_model_layers():
                 + 2.0 * float(torch.nn.functional.cross_entropy(s_logits.reshape(-1, 32), labels.reshape(-1))))
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
     assert set(distill.last) == {"logits", "layers", "task"}
+    seen = []  # a teacher_forward (a compiled teacher, say) runs the teacher instead of calling it
+    with Distillation(student, teacher, temperature=2.0, logits=0.5, layers=0.25, task=2.0,
+                      teacher_forward=lambda x: seen.append(1) or teacher(x)) as other:
+        assert float(other(student, ids, labels).detach()) == pytest.approx(expected, rel=1e-5) and seen == [1]
     assert not any(m._forward_hooks for m in [*student.modules(), *teacher.modules()])  # closed: hooks gone
 
 
