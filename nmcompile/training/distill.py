@@ -74,8 +74,8 @@ def blocks_of(model: nn.Module, blocks: str | list[str] | None = "auto") -> list
 class Distillation:
     """The distillation loss of ``student`` (the pruned model) against ``teacher`` (the dense one); see the module
     doc. ``logits``, ``layers``, ``task``: the weights of the three terms; ``temperature``: the KL's;
-    ``teacher_forward``: how the teacher runs (default the module itself; ``torch.compile(teacher)`` makes its
-    forward cheaper: the hooks on its blocks hold there too)."""
+    ``teacher_forward``: how the teacher runs (default the module itself; a compiled teacher, say, where that
+    pays: the hooks on its blocks hold there too)."""
 
     def __init__(self, student: nn.Module, teacher: nn.Module, *, temperature: float = 1.0, logits: float = 1.0,
                  layers: float = 0.0, task: float = 0.0, blocks: str | list[str] | None = "auto",
