@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import json
 import os
 import platform
 import statistics
@@ -225,6 +226,22 @@ def reset_peak() -> None:
 
 
 # ----------------------------------------------------------------------------- the machine
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """The rows of a JSON-lines results file (none where it does not exist yet)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def append_row(path: str | os.PathLike, row: dict, echo: bool = True) -> None:
+    """Append ``row`` to a JSON-lines results file (and print it on stderr, so a log shows progress)."""
+    if echo:
+        print(json.dumps(row), file=sys.stderr)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(row) + "\n")
 
 
 def cpu_name() -> str:

@@ -20,7 +20,7 @@ import tempfile
 
 if __package__ in (None, ""):  # run as a file: the repository root, after the installed packages
     sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.toolbox import RESULTS, machine, peak_mb  # noqa: E402
+from benchmarks.toolbox import RESULTS, append_row, machine, peak_mb  # noqa: E402
 from nmcompile.app.datasets import shakespeare  # noqa: E402
 from nmcompile.app.recover import recover_model  # noqa: E402
 
@@ -50,8 +50,7 @@ def main() -> None:
            "peak_mb": peak_mb(), "loss_before": summary.loss_before, "loss_after": summary.loss_after,
            **machine()}
     print(json.dumps(row))
-    with open(args.results, "a") as handle:
-        handle.write(json.dumps(row) + "\n")
+    append_row(args.results, row, echo=False)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ if __package__ in (None, ""):  # run as a file: the repository root, after the i
     sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.quality.quality import STEPS, Task, trained_dense  # noqa: E402
 from benchmarks.quality.quality_oneshot import calibration_batches, prune  # noqa: E402
-from benchmarks.toolbox import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.toolbox import RESULTS as RESULTS_DIR, append_row, read_rows  # noqa: E402
 from nmcompile.app.datasets import CharCorpus, shakespeare  # noqa: E402
 from nmcompile.app.run import train_run  # noqa: E402
 from nmcompile.deploy import pack_weights  # noqa: E402
@@ -125,10 +124,7 @@ def pruned_loss(model: nn.Module, method: str, task: Task, calib, exclude) -> tu
 
 
 def run(models, seeds, results: str) -> None:
-    done = set()
-    if os.path.exists(results):
-        with open(results) as handle:
-            done = {(r["model"], r["method"], r["seed"]) for r in map(json.loads, handle)}
+    done = {(r["model"], r["method"], r["seed"]) for r in read_rows(results)}
     results_dir = os.path.dirname(os.path.abspath(results))
     corpus = CharCorpus(shakespeare())
     for model_name in models:
@@ -152,14 +148,11 @@ def run(models, seeds, results: str) -> None:
                 loss, seconds = pruned_loss(model, method, task, calibration_batches(corpus, seed), exclude)
                 row = {"model": model_name, "method": method, "seed": seed, "dense_eval": dense_eval,
                        "oneshot_eval": loss, "calib_seconds": seconds, "wall": time.perf_counter() - start}
-                print(json.dumps(row), file=sys.stderr)
-                with open(results, "a") as handle:
-                    handle.write(json.dumps(row) + "\n")
+                append_row(results, row)
 
 
 def markdown(results: str) -> str:
-    with open(results) as handle:
-        rows = [json.loads(line) for line in handle]
+    rows = read_rows(results)
     lines = ["| model | method | seeds | dense | one-shot 2:4 | over 2:4 alone (mean, per seed) |",
              "| --- | --- | --- | --- | --- | --- |"]
     verdicts = []

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ if __package__ in (None, ""):  # run as a file: the repository root, after the i
 from benchmarks.quality.quality import Task  # noqa: E402
 from benchmarks.quality.quality_int8 import LlamaLM, dense_model  # noqa: E402
 from benchmarks.quality.quality_oneshot import calibration_batches, prune  # noqa: E402
-from benchmarks.toolbox import RESULTS as RESULTS_DIR  # noqa: E402
+from benchmarks.toolbox import RESULTS as RESULTS_DIR, append_row, read_rows  # noqa: E402
 import nmcompile  # noqa: E402
 from nmcompile.app.datasets import CharCorpus, shakespeare  # noqa: E402
 from nmcompile.app.run import train_run  # noqa: E402
@@ -118,10 +117,7 @@ def recover(model_name: str, method: str, task: Task, corpus, state: dict, steps
 
 
 def run(models, seeds, methods, steps: int, lr: float, results: str) -> None:
-    done = set()
-    if os.path.exists(results):
-        with open(results) as handle:
-            done = {(r["model"], r["method"], r["seed"], r["steps"]) for r in map(json.loads, handle)}
+    done = {(r["model"], r["method"], r["seed"], r["steps"]) for r in read_rows(results)}
     results_dir = os.path.dirname(os.path.abspath(results))
     corpus = CharCorpus(shakespeare())
     for model_name in models:
@@ -141,14 +137,11 @@ def run(models, seeds, methods, steps: int, lr: float, results: str) -> None:
                        **recover(model_name, method, task, corpus, state, steps, lr)}
                 row["closed"] = (row["oneshot_eval"] - row["recovered_eval"]) / (row["oneshot_eval"] - dense_eval)
                 row["wall"] = time.perf_counter() - start
-                print(json.dumps(row), file=sys.stderr)
-                with open(results, "a") as handle:
-                    handle.write(json.dumps(row) + "\n")
+                append_row(results, row)
 
 
 def markdown(results: str) -> str:
-    with open(results) as handle:
-        rows = [json.loads(line) for line in handle]
+    rows = read_rows(results)
     lines = ["| model | method | steps | seeds | dense | one-shot 2:4 | recovered | gap closed (per seed) | s/step |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     verdicts = []
