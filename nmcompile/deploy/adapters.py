@@ -40,6 +40,11 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     if merged:
         raise ValueError(f"merge_adapters: {merged[0]} was merged already (peft's merge_adapter added its dense "
                          "update); unmerge_adapter() first, then merge_adapters(model)")
+    dora = [name for name, layer in layers if any(getattr(layer, "use_dora", {}).get(a, False) for a in layer.lora_A)]
+    if dora:
+        raise ValueError(f"merge_adapters: {dora[0]} is a DoRA adapter (use_dora=True), whose magnitude rescales the "
+                         "whole weight: its merge cannot keep the N:M mask the backend trained it under; train plain "
+                         "LoRA (use_dora=False) on an N:M model")
     effective = {}
     for name, layer in layers:
         base = layer.base_layer

@@ -51,6 +51,7 @@ def mask_adapter_updates(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         projected = ctx.projected[target.fqn][0]
         a, b = sides["A"], sides["B"]
+        before = rewritten
         for first in list(a.users):
             u = linear_input(first, a)
             if u is None:
@@ -60,6 +61,10 @@ def mask_adapter_updates(gm: fx.GraphModule, ctx: PassContext) -> int:
                 rewritten += 1
             if not first.users:
                 gm.graph.erase_node(first)
+        if rewritten == before and (a.users or b.users):  # the update would train dense, and merge unlike it
+            raise ValueError(f"{layer}: its LoRA adapters are used otherwise than linear(linear(x, A), B) (a peft "
+                             "variant nmcompile does not know: DoRA, a bias, ...), so their update cannot be masked by "
+                             "the base weight's N:M mask; use plain LoRA, or leave this layer's base weight undeclared")
     if rewritten:
         gm.graph.lint()
         gm.recompile()

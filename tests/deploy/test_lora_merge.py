@@ -71,6 +71,10 @@ def test_an_adapter_declared_n_m_or_merged_before_is_refused_by_name():
     lora.merge_adapter()
     with pytest.raises(ValueError, match=r"was merged already .*unmerge_adapter\(\) first"):
         merge_adapters(lora)
+    dora = peft.get_peft_model(tiny_llama(transformers).eval(), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                                use_dora=True))
+    with pytest.raises(ValueError, match=r"q_proj is a DoRA adapter \(use_dora=True\)"):
+        merge_adapters(dora)
     with pytest.raises(ValueError, match="has no peft LoRA layer"):
         merge_adapters(tiny_llama(transformers))
 
