@@ -13,6 +13,9 @@ Mask ops (forward; gradient with respect to ``w``):
 - ``prune_when(w, on, n, m, dim, lam)``: ``prune(w)`` where the 0-d bool ``on`` holds, else ``w``
   itself, in one pass; ``g + lam * (w - out)``, which is ``g`` while ``on`` is off.
 - ``soft_threshold(w, beta, n, m, dim)``: ``beta * S(w)``; ``g`` (straight-through, no beta).
+- ``round_to_grid(w, bits, group, dim)``: ``w``'s rows rounded to their int8 (``bits=8``) or 4-bit grids
+  (:mod:`nmcompile.masks.grids`); ``g`` (straight-through). Not decomposed for Inductor: fused, Inductor skips
+  the fp16 rounding of the 4-bit scales (a cast inside a kernel), and the codes moved off the packed grid.
 - ``backward_mask_weight(kept, perm, n, m, dim)``: Bi-Mask's ``W * B`` from ``kept = W * F``; none
   (used on detached weights).
 
@@ -52,7 +55,7 @@ from . import masks
 from .masks.mvue import mvue
 
 __all__ = [
-    "prune", "prune_decay", "mask_decay", "prune_when", "soft_threshold", "backward_mask_weight", "linear", "conv",
+    "prune", "prune_decay", "mask_decay", "prune_when", "soft_threshold", "round_to_grid", "backward_mask_weight", "linear", "conv",
     "fake_fp8", "mvue_along", "autocast_kernel", "accumulate_stats", "DECOMPOSITIONS",
 ]
 
@@ -80,7 +83,12 @@ def _soft_threshold(w: Tensor, beta: Tensor, n: int, m: int, dim: int) -> Tensor
     return masks.soft_threshold(w, n, m, dim, scale=beta).contiguous()
 
 
+def _round_to_grid(w: Tensor, bits: int, group: int, dim: int) -> Tensor:
+    return masks.grids.round_to_grid(w, bits, group, dim).contiguous()
+
+
 prune = torch.library.custom_op("nmsparse::prune", _prune, mutates_args=())
+round_to_grid = torch.library.custom_op("nmsparse::round_to_grid", _round_to_grid, mutates_args=())
 prune_decay = torch.library.custom_op("nmsparse::prune_decay", _prune_decay, mutates_args=())
 soft_threshold = torch.library.custom_op("nmsparse::soft_threshold", _soft_threshold, mutates_args=())
 prune_when = torch.library.custom_op("nmsparse::prune_when", _prune_when, mutates_args=())
@@ -123,6 +131,11 @@ def _(w, beta, n, m, dim):
     return w.new_empty(w.shape)  # outputs are contiguous
 
 
+@round_to_grid.register_fake
+def _(w, bits, group, dim):
+    return w.new_empty(w.shape)  # outputs are contiguous
+
+
 @prune_when.register_fake
 def _(w, on, n, m, dim, decay):
     return w.new_empty(w.shape)  # outputs are contiguous
@@ -155,6 +168,7 @@ def _soft_threshold_backward(ctx, grad):
 prune.register_autograd(_straight_through)
 prune_decay.register_autograd(_decay_backward, setup_context=_decay_setup)
 soft_threshold.register_autograd(_soft_threshold_backward)
+round_to_grid.register_autograd(_straight_through)
 prune_when.register_autograd(_decay_backward, setup_context=_decay_setup)
 mask_decay.register_autograd(_decay_backward, setup_context=_decay_setup)
 

@@ -218,6 +218,15 @@ def int4_groups(w, group):
     return codes, d
 
 
+def int8_rows(w):
+    """``(codes, scales)`` of ``w`` ``[N, K]`` on symmetric int8 grids, from the definition: per row ``s`` = its
+    largest magnitude / 127 in fp32 (1 for a row of zeros), codes ``round(w / s)`` (the quotient in fp32) in
+    -127..127; codes as float64 ``[N, K]``, ``s`` float64 ``[N]``."""
+    top = w.float().abs().amax(1)
+    s = torch.where(top > 0, top / 127, torch.ones_like(top))
+    return torch.round(w.float() / s[:, None]).clamp(-127, 127).double(), s.double()
+
+
 def distillation_kl(student, teacher, temperature):
     """Hinton et al.'s soft-target term: T^2 * mean over positions of sum_v p_v (log p_v - log q_v), p =
     softmax(teacher / T), q = softmax(student / T); float64, the softmax written out."""

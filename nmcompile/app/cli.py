@@ -325,8 +325,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, constant (default 1e-4)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default 128)")
     p.add_argument("--batch", type=_positive_int, default=8, help="windows per step (default 8)")
-    p.add_argument("--recipe", default="asp:2:4,permute=0", help="the recipe trained (default asp:2:4,permute=0, "
-                   "the mask kept; sr_ste:2:4 learns it further)")
+    p.add_argument("--recipe", default=None, help="the recipe trained (default asp:2:4,permute=0, the mask kept, "
+                   "with bits=8 or bits=4 added for weights the directory holds as int8 or 4-bit values; sr_ste:2:4 "
+                   "learns the mask further)")
     p.add_argument("--temperature", type=float, default=1.0, help="of the logits' KL (default 1)")
     p.add_argument("--task", type=float, default=1.0, help="weight of the labels' cross entropy (default 1; 0: "
                    "distillation alone)")

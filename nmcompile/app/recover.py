@@ -12,8 +12,9 @@ writes the student, the optimizer and the step beside ``out`` (``<out>.recover-s
 same arguments resumes there. Then it finalizes, checks N:M, prints the held-out loss of the teacher and of the
 student before and after, and writes ``out`` as prune does: whole or not at all (a temporary folder renamed at
 the end), with ``nmcompile-recover.json``, so ``nmcompile check OUT`` passes and ``load_pretrained(OUT,
-packed=True)`` serves it. A directory whose weights hold int8 or 4-bit values is refused by name: recover its
-float 2:4 model (prune without ``bits``), then ``pack_weights(model, bits=...)`` rounds the recovered values.
+packed=True)`` serves it. Weights the directory holds as int8 or 4-bit values train with their grid's
+rounding in the forward (``bits=`` added to the recipe: ``asp:2:4,permute=0,bits=4``, straight-through) and are
+saved as codes again: a 2:4+int4 model recovers as a 2:4+int4 model.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ import torch.nn.functional as F
 
 from ..checkpoint import folders, saving
 from ..checkpoint.loading import load_pretrained
+from ..checkpoint.quantized_weights import WIDTHS, grids_of
 from ..checkpoint.restore import layout_from
 from ..declare.annotate import annotate
+from ..recipes import parse
 from ..deploy.finalize import finalize
 from ..deploy.inspection import check as check_nm
 from ..training.distill import Distillation
@@ -43,6 +46,8 @@ __all__ = ["recover_model", "RecoverSummary", "format_summary", "RECORD"]
 
 #: the folder's record of a recovery
 RECORD = "nmcompile-recover.json"
+#: the recipe trained where none is given: each N:M weight's mask is its non-zeros, kept
+DEFAULT_RECIPE = "asp:2:4,permute=0"
 
 
 @dataclass
@@ -67,8 +72,35 @@ def _state_path(out: str) -> str:
     return os.path.abspath(out).rstrip(os.sep) + ".recover-state.pt"
 
 
+def _recipes(pruned: str, layout, grids: dict, recipe: str | None) -> dict[str, list[str]]:
+    """``{recipe: weight names}``: ``recipe`` (default ``asp:2:4,permute=0``) on every N:M weight the directory
+    records, with ``bits``/``group`` added where it holds them as int8 or 4-bit values (so they train on their
+    grids and are saved as codes again). A recipe that names ``bits`` other than a weight's, or a quantized
+    weight under a recipe without ``bits``, is refused by name."""
+    out: dict[str, list[str]] = {}
+    for name in sorted(layout.weights):
+        spec = recipe or DEFAULT_RECIPE
+        if name in grids:
+            bits, scales = grids[name]
+            entry = layout.weights[name]
+            group = entry.shape[entry.dim] // scales.shape[-1] if bits == 4 else None
+            given = parse(spec)
+            if getattr(given, "bits", None) is None and recipe is not None:
+                raise ValueError(f"{pruned}: {name} holds {WIDTHS[bits]} values; --recipe {recipe} would train and "
+                                 f"save them as float values: give --recipe asp:2:4,permute=0,bits={bits}"
+                                 f"{f',group={group}' if group else ''} (or leave --recipe out)")
+            if getattr(given, "bits", None) is None:
+                spec = f"{spec},bits={bits}" + (f",group={group}" if group and group != 64 else "")
+            elif (given.bits, given.group if bits == 4 else None) != (bits, group):
+                raise ValueError(f"{pruned}: {name} holds {WIDTHS[bits]} values{f' in groups of {group}' if group else ''}"
+                                 f"; --recipe {recipe} rounds to bits={given.bits}"
+                                 f"{f',group={given.group}' if given.bits == 4 else ''}: match the directory")
+        out.setdefault(spec, []).append(name)
+    return out
+
+
 def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int = 200, lr: float = 1e-4,
-                  seq_len: int = 128, batch_size: int = 8, recipe: str = "asp:2:4,permute=0", temperature: float = 1.0,
+                  seq_len: int = 128, batch_size: int = 8, recipe: str | None = None, temperature: float = 1.0,
                   task: float = 1.0, layers: float = 0.0, held_out: str | None = None, save_every: int = 50,
                   seed: int = 0, inner: str | None = None, overwrite: bool = False,
                   progress: bool = True) -> RecoverSummary:
@@ -81,11 +113,6 @@ def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int 
             raise ValueError(f"{flag} {value if flag != '--seq-len' else seq_len}: must be at least "
                              f"{2 if flag == '--seq-len' else 1}")
     layout, _ = layout_from(pruned)
-    quantized = sorted(n for n, w in layout.weights.items() if w.bits)
-    if quantized:
-        raise ValueError(f"{pruned}: {quantized[0]} and {len(quantized) - 1} more hold int8 or 4-bit values, whose "
-                         "recovery is not built yet; recover the float 2:4 model (prune without bits=), then "
-                         "nmcompile.deploy.pack_weights(model, bits=...) rounds the recovered values")
     out, keep = _output_folder(out, [pruned, teacher], overwrite, RECORD, "nmcompile recover")
     say = (lambda text: print(f"nmcompile recover: {text}", file=sys.stderr, flush=True)) if progress else (lambda _: 0)
     say(f"loading {pruned} and the teacher {teacher}")
@@ -116,11 +143,14 @@ def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int 
     bar = lambda total, label: Progress(total, label, enabled=progress)  # noqa: E731
     loss_teacher = _loss(dense, evals, batch_size, "hf", bar(len(evals), "held-out loss, teacher"))
     loss_before = _loss(student, evals, batch_size, "hf", bar(len(evals), "held-out loss, pruned"))
-    report = annotate(student, recipe, include=list(layout.weights))
-    untaken = sorted(set(layout.weights) - set(report.annotated))
-    if untaken:
-        raise ValueError(f"--recipe {recipe} does not take {', '.join(untaken[:3])} (recorded N:M in {pruned}): it "
-                         f"would train dense; {report}")
+    recipes = _recipes(pruned, layout, grids_of(student, layout), recipe)
+    for spec, names in recipes.items():
+        report = annotate(student, spec, include=names)
+        untaken = sorted(set(names) - set(report.annotated))
+        if untaken:
+            raise ValueError(f"--recipe {spec} does not take {', '.join(untaken[:3])} (recorded N:M in {pruned}): it "
+                             f"would train dense; {report}")
+    recipe = " + ".join(recipes)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     student.to(device)
     dense.to(device)

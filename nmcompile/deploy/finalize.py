@@ -22,7 +22,7 @@ from .inspection import effective_records
 from ..oneshot.calibrate import solve_one_shot
 from ..pattern import NMPattern
 from ..state.deployed import Deployed, FinalizeReport
-from ..state.records import DEPLOYED, deployed_of, owners
+from ..state.records import DEPLOYED, deployed_of, owners, state_of
 from ..state.sharding import full
 from ..kernels.dispatch import DECISION_ATTR
 
@@ -58,6 +58,17 @@ def _not_nm_hint(recipe) -> str:
     if name == "sdgf":
         return "SDGF has not reached its last frame"
     return "the forward weight is not N:M"
+
+
+def _grid(name: str, ann, place, solved: dict) -> tuple[torch.Tensor | None, int | None]:
+    """``(scales, bits)`` of the grid a weight's kept values were put on (a one-shot solve's, or the grid a
+    trained recipe with ``bits`` rounds its forward weight to), else ``(None, None)``."""
+    if name in solved:
+        return solved[name].scales, solved[name].bits
+    _, module, pname = place
+    grid = ann.recipe.grid(full(module._parameters[pname].detach()),
+                           *(full(t) for t in state_of(module, pname, ann)), dim=ann.dim)
+    return (grid, ann.recipe.bits) if grid is not None else (None, None)
 
 
 def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str | None = None,
@@ -193,8 +204,8 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
     places_of = dict(owners(model))
     with torch.no_grad():
         for name, ann, weight, record in baked:
-            grid = solved[name].scales if name in solved else None
-            key = records.INT4 if name in solved and solved[name].bits == 4 else records.INT8
+            grid, bits = _grid(name, ann, places_of[name][0], solved)
+            key = records.INT4 if bits == 4 else records.INT8
             for _, module, pname in places_of[name]:
                 param = module._parameters[pname]
                 param.copy_(weight)
@@ -202,7 +213,7 @@ def finalize(model: nn.Module, *, force: bool = False, pattern: NMPattern | str 
                 records.put(module, DEPLOYED, pname, record)
                 records.drop(module, records.INT8, pname)
                 records.drop(module, records.INT4, pname)
-                if grid is not None:  # the grid of a one-shot solve with bits=8 or 4, for pack_weights
+                if grid is not None:  # the grid of a recipe with bits=8 or 4, for pack_weights and the codes files
                     records.put(module, key, pname, grid)
             report[name] = record
     if changed:

@@ -8,10 +8,11 @@ Every function groups ``m`` consecutive elements along ``dim`` (see :mod:`nmcomp
   along both axes of every M x M tile.
 - :mod:`.permutation`: channel orders that raise the magnitude an N:M mask keeps.
 - :mod:`.calibration`: a weight's input as rows in its column layout, and their statistics.
+- :mod:`.grids`: the int8 and 4-bit grids kept values are rounded to (the packed formats' values).
 - :mod:`.oneshot`: Wanda's and SparseGPT's one-shot pruning of a matrix from those statistics.
 """
 
-from . import calibration, oneshot
+from . import calibration, grids, oneshot
 from .mvue import inclusion_probabilities, mvue, mvue_variance
 from .topn import STORED_MASK_DTYPE, apply_mask, count_violations, keep_mask, prune, prune_row_groups, soft_threshold, soft_threshold_scale, store_mask
 from .transposable import is_transposable, tile_counts, transposable_mask
@@ -19,5 +20,5 @@ from .transposable import is_transposable, tile_counts, transposable_mask
 __all__ = [
     "keep_mask", "prune", "prune_row_groups", "store_mask", "apply_mask", "STORED_MASK_DTYPE", "soft_threshold", "soft_threshold_scale", "count_violations",
     "mvue", "mvue_variance", "inclusion_probabilities",
-    "transposable_mask", "is_transposable", "tile_counts", "calibration", "oneshot",
+    "transposable_mask", "is_transposable", "tile_counts", "calibration", "grids", "oneshot",
 ]

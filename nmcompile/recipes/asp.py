@@ -9,6 +9,14 @@ the magnitude the mask keeps without changing the model's function
 (:func:`nmcompile.permute.channels.permute_channels`; its report, in the annotation report's
 ``prepared``, lists the permuted groups, how the function was checked, and each weight left
 unpermuted with the reason).
+
+``bits=8`` or ``bits=4`` (``group=64`` or ``128``) rounds the masked weight onto the packed CPU formats' grids
+in every forward (``nmsparse::round_to_grid``: each output row's int8 grid, or its 4-bit grids of ``group``
+positions, recomputed from the weight each step), with a straight-through gradient (masked as above): the
+model trains on the values ``pack_weights(model, bits=...)`` will serve, and :func:`nmcompile.finalize` bakes
+those values and records their grids, so the saved directory holds them as codes. This is how a 2:4+int4
+model recovers as a 2:4+int4 model (``nmcompile recover`` picks it for a directory of 8- or 4-bit weights).
+Linear-shaped (2-D) weights only, and for ``bits=4`` a reduction length that ``group`` divides.
 """
 
 from __future__ import annotations
@@ -18,12 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks
-from .base import Recipe
+from .base import Quantized
 from ..permute.channels import permute_channels
 
 
 @dataclass(frozen=True, kw_only=True)
-class ASP(Recipe):
+class ASP(Quantized):
     name = "asp"
     state_names = ("mask",)
 
@@ -35,8 +43,27 @@ class ASP(Recipe):
     def example_state(self, weight, dim):
         return {"mask": torch.ones(weight.shape, dtype=masks.STORED_MASK_DTYPE, device=weight.device)}
 
+    def fits(self, weight, dim):
+        why = super().fits(weight, dim)
+        if why is None and self.bits is not None:
+            if weight.dim() != 2:
+                why = f"bits={self.bits} rounds output rows of a 2-D weight; this one is {weight.dim()}-D"
+            elif self.bits == 4 and weight.shape[dim] % self.group:
+                why = (f"bits=4 needs its reduction length ({weight.shape[dim]}) to be a multiple of "
+                       f"group={self.group}")
+        return why
+
     def project(self, weight, mask, dim, frame=None):
-        return masks.apply_mask(weight, mask)
+        kept = masks.apply_mask(weight, mask)
+        if self.bits is None:
+            return kept
+        return torch.ops.nmsparse.round_to_grid(kept, self.bits, self.group, dim)
+
+    def grid(self, weight, mask, dim):
+        if self.bits is None:
+            return None
+        kept = masks.apply_mask(weight, mask)
+        return self.to_grid(kept if dim % 2 == 1 else kept.t())[1]
 
     def mask(self, weight, mask, dim):
         return mask.bool()

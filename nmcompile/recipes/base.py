@@ -149,6 +149,12 @@ class Recipe:
         """The boolean mask the forward applies now (diagnostics: flip rate, SAD)."""
         return masks.keep_mask(weight.detach(), self.n, self.m, dim)
 
+    def grid(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """The scales of the integer grid :meth:`project`'s output lies on (per output row: fp32 ``[rows]`` for
+        int8, fp16 ``[rows, cols / group]`` for 4-bit), recorded by :func:`nmcompile.finalize` so the packed model
+        serves exactly those values; None: float values."""
+        return None
+
     def state_problem(self, weight: torch.Tensor, *state: torch.Tensor, dim: int) -> str | None:
         """What makes ``state`` something this recipe never stores (a mask that is not N:M, a negative
         step clock), or None. Read by :func:`nmcompile.check`; one pass over the state."""
@@ -189,3 +195,41 @@ class Recipe:
             if value != f.default:
                 parts.append(f"{f.name}={value}")
         return ",".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quantized(Recipe):
+    """A recipe whose kept weights end on integer grids, the values of the packed CPU formats
+    (:mod:`nmcompile.masks.grids`): ``bits=8`` a symmetric int8 grid with an fp32 scale per output row, ``bits=4``
+    4-bit grids with an fp16 scale per row and ``group`` positions (64 or 128) along the reduction dimension;
+    ``bits=None`` (the default): float values."""
+
+    #: 8 or 4: the kept weights' integer grid; None: float values
+    bits: int | None = None
+    #: bits=4: the positions one scale covers (64 or 128)
+    group: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in (8, 4)):
+            raise ValueError(
+                f"{self.name}: bits={self.bits!r} is not supported; bits=8 puts the kept weights on an int8 grid with "
+                f"a scale per output row ({self.name}:{self.n}:{self.m},bits=8), bits=4 on 4-bit grids with a scale per "
+                f"row and group of columns ({self.name}:{self.n}:{self.m},bits=4,group=64), or leave bits out for "
+                "float values"
+            )
+        if self.group not in (64, 128) or isinstance(self.group, bool):
+            raise ValueError(f"{self.name}: group={self.group!r} is not supported; a 4-bit scale covers 64 or 128 "
+                             f"columns ({self.name}:{self.n}:{self.m},bits=4,group=128)")
+
+    def to_grid(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(w on its grids, scales)`` of a matrix ``w [rows, cols]`` (rows: output rows) rounded to nearest as
+        ``bits`` says: ``bits=8`` fp32 scales ``[rows]``, ``bits=4`` fp16 ``[rows, cols / group]``; ``(w, None)``
+        without ``bits``. NaN or infinite weights are refused by name."""
+        from ..kernels.cpu24 import quantize
+
+        if self.bits == 8:
+            return quantize.round_rows(w)
+        if self.bits == 4:
+            return quantize.round_groups4(w, self.group), quantize.group_scales(w, 2 * self.group)
+        return w, None

@@ -18,34 +18,20 @@ from typing import ClassVar
 import torch
 
 from ..masks.calibration import columns_shape
-from .base import Recipe
+from .base import Quantized
 
 
 @dataclass(frozen=True, kw_only=True)
-class OneShot(Recipe):
+class OneShot(Quantized):
     calibrated: ClassVar[bool] = True
     #: whether ``stat`` is ``X^T X`` ([..., cols, cols]) or the per-column sum of squares ([..., cols])
     gram: ClassVar[bool] = False
 
-    #: 8: the kept weights end on a symmetric int8 grid, one fp32 scale per output row; 4: on 4-bit grids, an fp16
-    #: scale per row and ``group`` columns (SparseGPT: the joint solve; Wanda: round to nearest), recorded for
-    #: ``pack_weights`` (:meth:`solve_quantized`); None: float values
-    bits: int | None = None
-    #: bits=4: the columns one scale covers (64 or 128)
-    group: int = 64
+    # bits (Quantized): the solve's result rounded to the grid (SparseGPT: the joint solve; Wanda: round to
+    # nearest), recorded for pack_weights (:meth:`solve_quantized`)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in (8, 4)):
-            raise ValueError(
-                f"{self.name}: bits={self.bits!r} is not supported; bits=8 puts the kept weights on an int8 grid with "
-                f"a scale per output row ({self.name}:{self.n}:{self.m},bits=8), bits=4 on 4-bit grids with a scale per "
-                f"row and group of columns ({self.name}:{self.n}:{self.m},bits=4,group=64), or leave bits out for "
-                "float values"
-            )
-        if self.group not in (64, 128) or isinstance(self.group, bool):
-            raise ValueError(f"{self.name}: group={self.group!r} is not supported; a 4-bit scale covers 64 or 128 "
-                             f"columns ({self.name}:{self.n}:{self.m},bits=4,group=128)")
         if self.wgrad != "dense":
             raise ValueError(
                 f"{self.name}: wgrad={self.wgrad!r} does not apply: {self.name} prunes in one shot from calibration "
@@ -84,13 +70,3 @@ class OneShot(Recipe):
         fp32 scale per row (its largest kept magnitude over 127), ``bits=4`` fp16 ``[rows, cols / group]``
         (:func:`~nmcompile.kernels.cpu24.quantize.round_groups4`). Without ``bits``: ``(w, None)``."""
         return self.to_grid(self.solve_columns(w, stat, tokens))
-
-    def to_grid(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(w on its grids, scales)`` rounded to nearest as ``bits`` says; ``(w, None)`` without ``bits``."""
-        from ..kernels.cpu24 import quantize
-
-        if self.bits == 8:
-            return quantize.round_rows(w)
-        if self.bits == 4:
-            return quantize.round_groups4(w, self.group), quantize.group_scales(w, 2 * self.group)
-        return w, None

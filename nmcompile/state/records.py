@@ -36,10 +36,10 @@ __all__ = ["RECIPES", "DEPLOYED", "INT8", "INT4", "table", "get", "put", "drop",
 
 RECIPES = "_nmcompile_recipes"  # {parameter attribute: WeightAnnotation}
 DEPLOYED = "_nmcompile_deployed"  # {parameter attribute: Deployed}
-#: {parameter attribute: fp32 scales [*experts, out rows]}: a finalized weight a one-shot solve put on an int8 grid
-#: (``sparsegpt:2:4,bits=8``), one scale per output row; read by ``pack_weights``
+#: {parameter attribute: fp32 scales [*experts, out rows]}: a finalized weight a one-shot solve or a trained recipe
+#: put on an int8 grid (``sparsegpt:2:4,bits=8``, ``asp:2:4,bits=8``), one scale per output row; read by ``pack_weights``
 INT8 = "_nmcompile_int8"
-#: a one-shot solve's 4-bit grid of a weight (fp16 scales [out rows, in / group]), for pack_weights
+#: a one-shot solve's or trained recipe's 4-bit grid of a weight (fp16 scales [out rows, in / group]), for pack_weights
 INT4 = "_nmcompile_int4"
 
 

@@ -79,7 +79,7 @@ def test_finalize_records_the_grid_and_pack_weights_serves_it_exactly(spec):
     dense = {i: model[i].weight.detach().clone() for i in solved}
     decisions = nmcompile.deploy.pack_weights(model, measure=False)  # bits left out: the recorded grids are 4-bit
     for i in solved:
-        assert f"the one-shot solve's 4-bit grid (groups of {group})" in decisions[f"{i}.weight"].reason
+        assert f"the recorded 4-bit grid (groups of {group})" in decisions[f"{i}.weight"].reason
         w = model[i].weight
         assert w.int4 and w.group == group and torch.equal(w.dense(), dense[i])  # no second rounding
     nmcompile.deploy.pack_weights(model, measure=False)  # idempotent, its group kept
@@ -93,8 +93,8 @@ def test_a_weight_changed_after_the_solve_is_rounded_again_and_says_so():
     with torch.no_grad():
         model[0].weight.mul_(1.37)  # fine-tuned, say: off the recorded grid
     decisions = nmcompile.deploy.pack_weights(model, measure=False)
-    assert "left the one-shot solve's grid" in decisions["0.weight"].reason
-    assert "the one-shot solve's 4-bit grid" in decisions["2.weight"].reason
+    assert "left the recorded grid" in decisions["0.weight"].reason
+    assert "the recorded 4-bit grid" in decisions["2.weight"].reason
 
 
 def test_a_width_that_is_not_a_multiple_of_the_group_is_refused_by_name():
@@ -119,7 +119,7 @@ def test_a_hugging_face_model_with_4_bit_grids_saves_and_loads_packed_on_them(tm
     grids = {n: records.get(model.get_submodule(n.rsplit(".", 1)[0]), records.INT4, "weight")
              for n, _ in model.named_parameters() if n.endswith("proj.weight")}
     decisions = nmcompile.deploy.pack_weights(model, measure=False)  # in this process, on the solve's grids
-    assert all("the one-shot solve's 4-bit grid (groups of 128)" in decisions[n].reason for n in grids)
+    assert all("the recorded 4-bit grid (groups of 128)" in decisions[n].reason for n in grids)
     ids = torch.randint(0, 256, (1, 12))
     with torch.no_grad():
         expected = model(ids).logits

@@ -82,7 +82,7 @@ def test_finalize_records_the_grid_and_pack_weights_serves_it_exactly(spec):
     with torch.no_grad():
         expected = model(x)
     decisions = nmcompile.deploy.pack_weights(model, measure=False)  # bits left out: the recorded grid is int8
-    assert all("the one-shot solve's int8 grid" in decisions[k].reason for k in ("0.weight", "2.weight"))
+    assert all("the recorded int8 grid" in decisions[k].reason for k in ("0.weight", "2.weight"))
     for i in (0, 2):
         w = model[i].weight
         assert w.quantized and torch.equal(w.scales, records.get(model[i], records.INT8, "weight"))
@@ -97,8 +97,8 @@ def test_a_weight_changed_after_the_solve_is_rounded_again_and_says_so():
     with torch.no_grad():
         model[0].weight.mul_(1.37)  # fine-tuned, say: off the recorded grid
     decisions = nmcompile.deploy.pack_weights(model, measure=False)
-    assert "left the one-shot solve's int8 grid" in decisions["0.weight"].reason
-    assert "the one-shot solve's int8 grid" in decisions["2.weight"].reason
+    assert "left the recorded int8 grid" in decisions["0.weight"].reason
+    assert "the recorded int8 grid" in decisions["2.weight"].reason
 
 
 def test_the_joint_solve_s_grid_is_the_first_solve_s_so_the_updates_are_not_clipped():

@@ -36,13 +36,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...masks.grids import GROUP_SIZES, HIGH4, LEVELS, LOW4, group_grid, on_group_grid, on_row_grid, row_grid
+
 __all__ = ["LEVELS", "ON_GRID", "ON_GRID_BF16", "on_grid", "row_scales", "round_rows", "grid_codes", "quantize_layout", "quantize_dense",
            "dense_rows", "GROUP_SIZES", "LOW4", "HIGH4", "group_scales", "position_index", "quantize_layout4", "dense4",
            "quantize_dense4", "dense_rows4", "round_groups4",
            "to_codes"]
-
-#: the largest int8 code used: the grid is -LEVELS..LEVELS
-LEVELS = 127
 
 
 def row_scales(values: Tensor) -> Tensor:
@@ -53,8 +52,7 @@ def row_scales(values: Tensor) -> Tensor:
         rows = (~torch.isfinite(flat)).any(1).nonzero().flatten()[:8].tolist()
         raise ValueError(f"int8 values: rows {rows} hold NaN or infinite weights, which no int8 grid holds; "
                          "fix the weights (or keep this layer at its float dtype)")
-    top = flat.abs().amax(1)
-    return torch.where(top > 0, top / LEVELS, torch.ones_like(top))
+    return row_grid(flat)
 
 
 #: how far from its grid point (in steps) a value may lie and still be read as on it: a point ``k * s`` (``|k| <=
@@ -75,7 +73,7 @@ def round_rows(w: Tensor) -> tuple[Tensor, Tensor]:
     """``(w on its rows' int8 grids, scales)``: each row of ``w [rows, cols]`` rounded to nearest on the grid of
     :func:`row_scales` (values stay float: the one-shot solves' ``bits=8`` result before it is packed)."""
     scales = row_scales(w)
-    return torch.round(w / scales[:, None]).clamp_(-LEVELS, LEVELS).mul_(scales[:, None]), scales
+    return on_row_grid(w, scales).to(w.dtype), scales
 
 
 def grid_codes(values: Tensor, scales: Tensor) -> tuple[Tensor, int]:
@@ -131,10 +129,6 @@ def dense_rows(values: Tensor, out_features: int) -> Tensor:
     groups, words, group, sixteen = values.shape
     return values.permute(0, 2, 1, 3).reshape(groups * group, words * sixteen)[:out_features]
 
-#: positions a scale covers (along the reduction dim): a kernel step is 64 positions
-GROUP_SIZES = (64, 128)
-#: the 4-bit grid's codes: LOW4..HIGH4
-LOW4, HIGH4 = -8, 7
 
 
 def _check_group(group: int, in_features: int) -> None:
@@ -155,9 +149,7 @@ def group_scales(kept: Tensor, group: int) -> Tensor:
         bad = (~torch.isfinite(flat)).any(1).nonzero().flatten()[:8].tolist()
         raise ValueError(f"int4 values: rows {bad} hold NaN or infinite weights, which no int4 grid holds; fix the "
                          "weights (or keep this layer at its float dtype)")
-    groups = flat.view(rows, half * 2 // group, group // 2)
-    top = groups.gather(2, groups.abs().argmax(2, keepdim=True)).squeeze(2)
-    scales = (top / LOW4).to(torch.float16)
+    scales = group_grid(flat, group // 2)
     if not bool(torch.isfinite(scales).all()):
         raise ValueError(f"int4 values: a weight of magnitude {float(flat.abs().max()):.3g} needs a scale past "
                          "fp16's range (65504 * 8); keep this layer at its float dtype")
@@ -267,31 +259,29 @@ def round_groups4(w: Tensor, group: int) -> Tensor:
     ``pack_weights(bits=4)`` holds for a float weight, as a dense tensor."""
     rows, cols = w.shape
     _check_group(group, cols)
-    scales = group_scales(w, 2 * group)  # every position as a kept value: `group` a scale
-    codes = _codes4(w.view(rows, cols // group, group), scales).float() - 8
-    return (codes * scales.float()[..., None]).view(rows, cols).to(w.dtype)
+    return on_group_grid(w, group_scales(w, 2 * group)).to(w.dtype)  # every position as a kept value
 
 
 def to_codes(weight, bits: int, isa: str, grid: Tensor | None = None, group: int = 64) -> tuple:
     """``(weight, how)``: a :class:`~nmcompile.kernels.cpu24.weight.PackedLinearWeight` with float values, its kept
-    values as codes (a new weight), computing in its dtype on ``isa``: on ``grid`` (the scales a one-shot solve
-    recorded) where the values still lie on it, else rounded to nearest. ``bits=8``: int8 with a scale per row;
+    values as codes (a new weight), computing in its dtype on ``isa``: on ``grid`` (the scales a one-shot solve or a recipe with
+    ``bits=`` recorded) where the values still lie on it, else rounded to nearest. ``bits=8``: int8 with a scale per row;
     ``bits=4``: 4-bit with an fp16 scale per row and ``group`` positions."""
     n = weight.weight_shape[0]
     if bits == 4:
         found = None if grid is None else quantize_layout4(weight.values, weight.bits, n, group, grid)
-        how = f"the one-shot solve's 4-bit grid (groups of {group})"
+        how = f"the recorded 4-bit grid (groups of {group})"
         if found is None:
             how = f"rounded to nearest, 4-bit in groups of {group}" + ("" if grid is None else
-                                                                       " (its values left the one-shot solve's grid)")
+                                                                       " (its values left the recorded grid)")
             found = quantize_layout4(weight.values, weight.bits, n, group)
         codes, index, scales = found
         return weight._with(values=codes, bits=index, scales=scales, isa=isa, dtype=weight.dtype), how
     found = None if grid is None or grid.dim() != 1 else quantize_layout(weight.values, n, grid)
-    how = "the one-shot solve's int8 grid"
+    how = "the recorded int8 grid"
     if found is None:
         how = "rounded to nearest" if grid is None else \
-            "rounded to nearest (its values left the one-shot solve's int8 grid since it was solved)"
+            "rounded to nearest (its values left the recorded int8 grid since it was recorded)"
         found = quantize_layout(weight.values, n)
     codes, scales = found
     return weight._with(values=codes, scales=scales, isa=isa, dtype=weight.dtype), how
