@@ -16,12 +16,14 @@ FSDP2, ``fully_shard`` it as the student is: its forward gathers its own shards)
 
 :class:`Distillation` holds both models and forward hooks on the named blocks of each while it lives (``close()``,
 or use it as a context manager, removes them); the hooks only keep each block's output for the loss. Call it
-with the student's forward (a compiled one is fine) and the batch: ``loss = distill(compiled, ids, labels)``.
+with the student's forward (a compiled one is fine) and the batch: ``loss = distill(compiled, ids, labels)``; in a
+Hugging Face ``Trainer``, :class:`nmcompile.training.distill_trainer.DistillationTrainer` does that.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -107,12 +109,15 @@ class Distillation:
         self.last: dict[str, float] = {}  # the terms of the last call, as floats
 
     def __call__(self, forward, inputs, labels: Tensor | None = None, task_loss=None) -> Tensor:
-        """The loss of one batch: ``forward(inputs)`` (the student's, compiled or not) against the teacher's.
+        """The loss of one batch: ``forward(inputs)`` (the student's, compiled or not) against the teacher's
+        (``teacher_forward(inputs)``, or ``teacher_forward(**inputs)`` where ``inputs`` is a dict of keyword
+        arguments, a Hugging Face batch without its labels).
         ``labels`` and ``task_loss(logits, labels)`` (default: cross entropy over the last dim) for the task term."""
         for seen in self._seen.values():
             seen.clear()
         with torch.no_grad():
-            teacher = _logits(self.teacher_forward(inputs))
+            teacher = _logits(self.teacher_forward(**inputs) if isinstance(inputs, Mapping) else
+                              self.teacher_forward(inputs))
         student = _logits(forward(inputs))
         if len(self._seen["student"]) != len(self.blocks) or len(self._seen["teacher"]) != len(self.blocks):
             raise RuntimeError(f"Distillation: {len(self.blocks)} blocks are matched, the student's forward ran "

@@ -191,3 +191,49 @@ def test_stateful_recipe_from_the_environment_says_what_resume_cannot_restore(tm
     assert not [w for w in caught if FRESH in str(w.message)]
     state = fixed.state_dict()
     assert all(torch.equal(state[f"{w}_nm_beta"], saved[f"{w}_nm_beta"]) for w in WEIGHTS)
+
+
+def test_distillation_trainer_trains_the_pruned_student_on_the_teachers_logits(tmp_path):
+    """``DistillationTrainer``: the loss of a batch is the teacher's logits' KL plus the causal LM's loss (from the
+    equations), training through the Trainer lowers the KL to the teacher and keeps each weight's 2:4 mask."""
+    from nmcompile.training.distill import Distillation
+    from nmcompile.training.distill_trainer import DistillationTrainer
+
+    from reference import distillation_kl
+
+    teacher, student = gpt2(), gpt2()
+    with torch.no_grad():  # weights 6x the initial scale: logits far from uniform, so that pruning costs something
+        for p in teacher.parameters():
+            p.mul_(6.0 if p.dim() == 2 else 1.0)
+    student.load_state_dict(teacher.state_dict())
+    report = nmcompile.annotate(student, "asp:2:4,permute=0")
+    assert sorted(report.annotated) == sorted(WEIGHTS)
+    masks = {n: student.get_submodule(n.rsplit(".", 1)[0]).weight_nm_mask.clone() for n in WEIGHTS}
+    student.compile(backend="nmsparse", options=AOT)
+    ids = Tokens().ids[:4]
+
+    def kl_now():
+        with torch.no_grad():
+            return distillation_kl(student(input_ids=ids).logits, teacher(input_ids=ids).logits, 1.0)
+
+    with Distillation(student, teacher, task=0.1) as distill:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=12, seed=0, data_seed=0,
+            per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1, dataloader_num_workers=0,
+            save_strategy="no", disable_tqdm=True)
+        trainer = DistillationTrainer(model=student, args=args, train_dataset=Tokens(), distillation=distill)
+        loss = trainer.compute_loss(student, {"input_ids": ids, "labels": ids})
+        with torch.no_grad():
+            s, t = student(input_ids=ids).logits, teacher(input_ids=ids).logits
+        ce = torch.nn.functional.cross_entropy(s[:, :-1].double().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        assert float(loss) == pytest.approx(distillation_kl(s, t, 1.0) + 0.1 * float(ce), abs=1e-5)
+        before = kl_now()
+        trainer.train()
+    assert len(losses(trainer)) == 12
+    assert kl_now() < 0.7 * before  # 0.177 -> 0.094 when written
+    for name in WEIGHTS:
+        w = student.get_submodule(name.rsplit(".", 1)[0]).weight
+        kept = nmcompile.deploy.effective_weights(student)[name]
+        assert torch.equal(kept != 0, masks[name].bool() & (w.detach() != 0)) and n_violations(kept, 0) == 0
+    with pytest.raises(TypeError, match="distillation= takes an nmcompile Distillation, got dict"):
+        DistillationTrainer(model=student, args=args, distillation={})
