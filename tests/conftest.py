@@ -8,6 +8,11 @@ from pathlib import Path
 # with the other test worker (tests/masks/test_masks.py with a cold Inductor cache: 136 -> 130 s wall,
 # 127 -> 118 s user CPU). Set it to another value to override.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The nmsparse backend's graphs are compiled with aot_eager where a test names no inner compiler: the
+# passes, the recipes' ops and their autograd run the same, without Inductor's code generation (a third of
+# the suite's time). Tests of what Inductor does with the graphs carry @pytest.mark.inductor or name
+# inner="inductor" (every recipe's numerics run under both). Processes the tests start inherit it.
+os.environ.setdefault("NMSPARSE_INNER", "aot_eager")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -26,10 +31,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo(monkeypatch, tmp_path_factory):
+def _fresh_dynamo(request, monkeypatch, tmp_path_factory):
     """Each test starts with an empty Dynamo cache, no NMSPARSE_RECIPE from the environment and its own
-    empty decision cache (never the user's: tests time with fake timers)."""
+    empty decision cache (never the user's: tests time with fake timers); a test marked ``inductor``
+    without NMSPARSE_INNER (the backend's own default)."""
     monkeypatch.delenv("NMSPARSE_RECIPE", raising=False)
+    if request.node.get_closest_marker("inductor"):
+        monkeypatch.delenv("NMSPARSE_INNER", raising=False)
     monkeypatch.delenv("NMCOMPILE_DECISION_CACHE", raising=False)
     monkeypatch.setenv("NMCOMPILE_CACHE_DIR", str(tmp_path_factory.mktemp("nmcompile-cache")))
     torch._dynamo.reset()

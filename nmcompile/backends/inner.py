@@ -3,7 +3,10 @@
 Options (``torch.compile(model, backend="nmsparse", options={...})``):
 
 - ``recipe``, ``include``, ``exclude``: a plan for every weight the pattern selects;
-- ``inner``: ``"inductor"`` (default), or ``"aot_eager"``/``"eager"`` for debugging;
+- ``inner``: ``"inductor"`` (default), or ``"aot_eager"``/``"eager"`` for debugging; where the options name no
+  inner compiler and set nothing only Inductor reads (``projections``, ``mode``, Inductor settings), the
+  environment variable ``NMSPARSE_INNER`` names it (an existing script debugged under ``aot_eager`` unedited;
+  the test suite's default);
 - ``projections``: how Inductor builds the recipes' mask ops (:mod:`nmcompile.backends.shared_projections`):
   ``"inline"`` fuses each weight's projection into the graph (every weight code-generated on its
   own, about a second of compile per sparsified weight on a CPU); ``"shared"`` calls one kernel per
@@ -25,6 +28,7 @@ Options (``torch.compile(model, backend="nmsparse", options={...})``):
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +45,7 @@ __all__ = ["Inner", "parse_options", "NM_OPTIONS", "INNER", "PROJECTIONS"]
 NM_OPTIONS = ("recipe", "include", "exclude", "default_dense", "inner", "projections", "train_kernel", "deploy_kernel",
               "strict", "mode")
 INNER = ("inductor", "aot_eager", "eager")
+INNER_ENV = "NMSPARSE_INNER"  # the inner compiler where the options name none
 PROJECTIONS = ("auto", "inline", "shared")
 
 
@@ -113,9 +118,13 @@ def parse_options(options, mode) -> tuple[Plan | None, Inner, str]:
     recipe = options.pop("recipe", None)
     include, exclude = options.pop("include", None), options.pop("exclude", None)
     default_dense = options.pop("default_dense", None)
-    name = options.pop("inner", "inductor")
+    # the environment's inner compiler applies where the options name none and ask nothing of Inductor
+    inductor_only = {"projections", "mode"} | (set(options) - set(NM_OPTIONS))
+    from_env = "inner" not in options and not inductor_only & set(options) and mode in (None, "default")
+    name = options.pop("inner", None) or (os.environ.get(INNER_ENV) if from_env else None) or "inductor"
     if name not in INNER:
-        raise ValueError(f"nmsparse option inner={name!r} is not one of {', '.join(INNER)}")
+        origin = f"${INNER_ENV}" if from_env and os.environ.get(INNER_ENV) else "option inner"
+        raise ValueError(f"nmsparse {origin}={name!r} is not one of {', '.join(INNER)}")
     projections = options.pop("projections", "auto")
     if projections not in PROJECTIONS:
         raise ValueError(f"nmsparse option projections={projections!r} is not one of {', '.join(PROJECTIONS)}")

@@ -224,6 +224,7 @@ def test_unknown_option_lists_accepted_with_nearest():
     assert "unknown nmsparse option 'recipie' (did you mean 'recipe'?)" in str(cause)
 
 
+@pytest.mark.inductor
 def test_options_pass_inductor_settings_and_mode_through():
     plan, inner, train_kernel = parse_options({"recipe": "ste", "epilogue_fusion": False}, None)
     assert inner.name == "inductor" and inner.patches == {"epilogue_fusion": False} and train_kernel == "auto"
@@ -370,6 +371,7 @@ def test_deepcopy_keeps_the_record_and_compiles_sparse():
     torch.testing.assert_close(twin.fc1.weight_nm_beta, model.fc1.weight_nm_beta)
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_bi_mask_under_inductor_trains_and_evaluates_at_another_batch_size():
     """Backend-made inputs (Bi-Mask's permutation) are static: a reshape of rows indexed by it once
@@ -389,3 +391,20 @@ def test_bi_mask_under_inductor_trains_and_evaluates_at_another_batch_size():
         x = torch.randn(20, 64)
         expected = torch.func.functional_call(model, {**dict(model.named_parameters()), **nmcompile.effective_weights(model)}, (x,))
         torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_nmsparse_inner_names_the_inner_compiler_where_the_options_do_not(monkeypatch):
+    from nmcompile.backends.inner import parse_options
+
+    monkeypatch.setenv("NMSPARSE_INNER", "eager")
+    assert parse_options(None, None)[1].name == "eager"
+    assert parse_options({"recipe": "ste:2:4"}, None)[1].name == "eager"
+    assert parse_options({"inner": "aot_eager"}, None)[1].name == "aot_eager"  # the options win
+    # options only Inductor reads ask for Inductor: the variable does not apply
+    for options, mode in (({"projections": "shared"}, None), ({"epilogue_fusion": False}, None), (None, "max-autotune")):
+        assert parse_options(options, mode)[1].name == "inductor"
+    monkeypatch.setenv("NMSPARSE_INNER", "aot-eager")
+    with pytest.raises(ValueError, match=r"nmsparse \$NMSPARSE_INNER='aot-eager' is not one of inductor, aot_eager"):
+        parse_options(None, None)
+    monkeypatch.delenv("NMSPARSE_INNER")
+    assert parse_options(None, None)[1].name == "inductor"

@@ -288,6 +288,7 @@ def test_tiny_mixtral_experts_count_the_tokens_their_router_sends(implementation
     assert nmcompile.check(model).ok
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_statistics_gather_under_inductor():
     """The default inner compiler: the op's buffer mutation survives Inductor's functionalization."""

@@ -241,6 +241,7 @@ def test_cuda_graphs_time_the_kernels_by_gpu_time_and_say_so():
     assert all("host work included" in d.reason for d in report.values()), report
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_inductor_hands_the_op_its_traced_strides_and_the_result_is_right():
     model = _finalized(SPECS["sr_ste"])

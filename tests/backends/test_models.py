@@ -50,6 +50,7 @@ def test_mlp_include_exclude_options():
     assert (model.fc2.weight != 0).all() and (model.fc3.weight != 0).all()
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_mlp_inductor():
     """The one MLP case through Inductor (slow on a cold cache): S-STE, whose state is an input."""

@@ -80,6 +80,7 @@ def test_autocast_casts_the_kernel_s_operands_as_f_linear_does(model_dtype):
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.inductor
 @needs_kernel
 def test_inductor_calls_the_kernel_as_an_extern_op():
     model = finalized()

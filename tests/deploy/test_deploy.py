@@ -80,6 +80,7 @@ def test_reference_kernel_rewrites_each_qualifying_linear_and_keeps_the_function
     assert [report[n].kernel for n in ("0.weight", "2.weight", "4.weight")] == ["reference", "reference", "dense"]
 
 
+@pytest.mark.inductor
 def test_inductor_compiles_the_rewritten_graph():
     model = finalized_mlp()
     compiled = torch.compile(model, backend="nmsparse", options={"deploy_kernel": "reference"})
@@ -192,6 +193,7 @@ print(json.dumps({"counters": dict(counters["inductor"]), "graph": graph}))
 """
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("form", ["forced", "measured", "trained"])
 def test_a_second_process_takes_the_compiled_graph_from_inductors_cache(tmp_path, form):
     import json

@@ -361,6 +361,7 @@ def test_release_gives_memory_back_and_keeps_the_tensor():
     assert float(stat.sum()) == 0
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_sequential_under_inductor_touches_one_block_of_statistics_at_a_time():
     # why memory does not grow with depth: the Inductor graph updates the active block's statistics in place

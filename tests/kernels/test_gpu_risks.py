@@ -315,6 +315,7 @@ def test_the_gpu_answers(check):
     assert not failed, "; ".join(f"{r['case']}: {r['status']}, {r['detail']}" for r in failed)
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_risk_checks_run_against_the_cuda_contracts_on_the_cpu():
     from _gpu_contracts import emulated_gpu

@@ -50,6 +50,7 @@ def _model():
                          nn.Linear(32, 16))
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.parametrize("projections, kernels", [("shared", 2), ("auto", 1), ("inline", 0)])
 def test_one_kernel_per_weight_signature(projections, kernels):

@@ -52,6 +52,7 @@ def test_mvue_weight_gradient_is_exactly_the_sampled_estimator(wgrad, pattern):
     assert int((groups != 0).sum(-1).max()) <= pattern[0]
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linear", "conv"])
 def test_mvue_weight_gradient_is_unbiased_under_inductor(kind):

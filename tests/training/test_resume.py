@@ -243,6 +243,7 @@ def test_resumed_run_continues_bit_for_bit(name):
     resume_fresh(case, run, case.stops[-1], "aot_eager")
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_resumed_run_continues_bit_for_bit_under_inductor():
     case = Case("s_ste:2:4,wgrad=mvue24", (5,))

@@ -127,6 +127,7 @@ def test_autocast_trains_every_recipe(name, device, dtype):
         assert_close_to_float32(low, autocast_run(RECIPES[name], device, None, steps=1))
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_autocast_under_inductor():
     """Inductor decomposes nmsparse::linear (Bi-Mask's GEMM) after autocast has cast its inputs."""
