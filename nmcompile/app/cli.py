@@ -105,6 +105,8 @@ def _prune(args) -> int:
 
 
 def _recover(args) -> int:
+    import torch
+
     from .recover import format_summary, recover_model
 
     try:
@@ -112,7 +114,8 @@ def _recover(args) -> int:
             args.pruned, args.teacher, args.data, args.out, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
             batch_size=args.batch, recipe=args.recipe, temperature=args.temperature, task=args.task,
             layers=args.layers, held_out=args.held_out, save_every=args.save_every, seed=args.seed,
-            inner=args.inner, overwrite=args.overwrite, progress=not args.quiet)
+            inner=args.inner, overwrite=args.overwrite, progress=not args.quiet,
+            dtype=getattr(torch, args.dtype) if args.dtype else None)
     except Exception as err:  # one line, with its type where it is not a plain bad input, not a traceback
         plain = isinstance(err, (ImportError, ValueError, OSError, RuntimeError))
         print(f"nmcompile recover: {err if plain else f'{type(err).__name__}: {err}'}", file=sys.stderr)
@@ -337,6 +340,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="of the windows' order (default 0)")
     p.add_argument("--inner", default=None, help="the backend's inner compiler (default inductor; aot_eager "
                    "compiles faster and runs slower)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="the dtype both models "
+                   "train in (default: float32 for a bf16/fp16 directory on a CPU without native arithmetic for it, "
+                   "where it fits in memory, else the directory's; the output keeps the directory's dtype)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out that nmcompile recover did "
                    "not write (its weights files are replaced, its other files stay)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -35,7 +35,9 @@ from ..checkpoint.loading import load_pretrained
 from ..checkpoint.quantized_weights import WIDTHS, grids_of
 from ..checkpoint.restore import layout_from
 from ..declare.annotate import annotate
+from ..oneshot.compute_dtype import compute_dtype, stored_dtype
 from ..recipes import parse
+from ..state import memory
 from ..deploy.finalize import finalize
 from ..deploy.inspection import check as check_nm
 from ..training.distill import Distillation
@@ -63,6 +65,7 @@ class RecoverSummary:
     seconds_per_step: float
     device: str
     resumed_at: int = 0
+    dtype: str = ""
     weights: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     out: str = ""
@@ -99,13 +102,37 @@ def _recipes(pruned: str, layout, grids: dict, recipe: str | None) -> dict[str, 
     return out
 
 
+def _training_dtype(student, asked: torch.dtype | None) -> tuple[torch.dtype, str]:
+    """``(dtype, why)``: ``asked``; else float32 for a bf16/fp16 student on a CPU without native arithmetic for it
+    (PyTorch's bf16 GEMMs of a training step's backward run there at a hundredth of float32's speed: a
+    ``[128, 8192] x [8192, 2048]`` bf16 product took 56 s against 0.4 s in float32 on a 2-core AVX2 EPYC) where
+    float32 weights, gradients, AdamW's two moments and a float32 teacher fit in the memory available; else the
+    stored dtype, said to be slow."""
+    stored = stored_dtype(student)
+    if asked is not None:
+        return asked, "as asked (--dtype)"
+    if torch.cuda.is_available():
+        return stored, "the stored dtype (GPU)"
+    dtype, why = compute_dtype(student)
+    if dtype == stored:
+        return stored, "the stored dtype"
+    need = 5 * 4 * sum(p.numel() for p in student.parameters())  # weights, gradients, 2 moments, the teacher
+    if need > 0.9 * memory.available_bytes():
+        return stored, (f"{why.split(': ', 1)[-1]}, so each step is far slower than in float32, whose weights, "
+                        f"gradients, AdamW state and teacher ({need / 2**30:.1f} GiB) do not fit in the memory "
+                        f"available ({memory.available_bytes() / 2**30:.1f} GiB); --dtype float32 forces it")
+    return torch.float32, (f"{why.split(': ', 1)[-1]}; saved in {str(stored).replace('torch.', '')} "
+                           "(--dtype to choose)")
+
+
 def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int = 200, lr: float = 1e-4,
                   seq_len: int = 128, batch_size: int = 8, recipe: str | None = None, temperature: float = 1.0,
                   task: float = 1.0, layers: float = 0.0, held_out: str | None = None, save_every: int = 50,
                   seed: int = 0, inner: str | None = None, overwrite: bool = False,
-                  progress: bool = True) -> RecoverSummary:
+                  progress: bool = True, dtype: torch.dtype | None = None) -> RecoverSummary:
     """Recover ``pruned`` by distillation from ``teacher`` on the text ``data``; see the module doc. ``inner``: the
-    backend's inner compiler (default Inductor)."""
+    backend's inner compiler (default Inductor); ``dtype``: the dtype both models train in (default: see
+    :func:`_training_dtype`), the output saved in the directory's own."""
     start = time.perf_counter()
     for flag, value in (("--steps", steps), ("--seq-len", seq_len - 1), ("--batch", batch_size),
                         ("--save-every", save_every)):
@@ -125,7 +152,10 @@ def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int 
         raise ValueError(f"{pruned}: no tokenizer could be loaded ({str(err).splitlines()[0]}); nmcompile prune "
                          "saves the model's tokenizer beside it: copy it there") from err
     encode = lambda text: torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)  # noqa: E731
-    dtype = next(p.dtype for p in student.parameters() if p.is_floating_point())
+    stored = stored_dtype(student)
+    dtype, why = _training_dtype(student, dtype)
+    say(f"training in {str(dtype).replace('torch.', '')}: {why}")
+    student.to(dtype)
     dense = transformers.AutoModelForCausalLM.from_pretrained(teacher, local_files_only=True, dtype=dtype)
     ids = _ids(data, encode)
     if held_out is None:
@@ -158,7 +188,7 @@ def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int 
     optimizer = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
     state_path, resumed, rng = _state_path(out), 0, None
     args = {"pruned": os.path.abspath(pruned), "teacher": os.path.abspath(teacher), "steps": steps, "lr": lr,
-            "seq_len": seq_len, "batch": batch_size, "recipe": recipe, "seed": seed}
+            "seq_len": seq_len, "batch": batch_size, "recipe": recipe, "seed": seed, "dtype": str(dtype)}
     if os.path.isfile(state_path):
         saved = torch.load(state_path, map_location=device, weights_only=False)
         if saved.get("args") == args:
@@ -192,13 +222,15 @@ def recover_model(pruned: str, teacher: str, data: str, out: str, *, steps: int 
     train_bar.close()
     student.to("cpu").eval()
     finalize(student)
+    student.to(stored)  # saved in the directory's dtype (zeros stay zeros; recorded grids hold within a bf16 step)
     check = check_nm(student)
     if not check.ok:
         raise RuntimeError(f"nmcompile recover: the recovered model is not N:M:\n{check}")
     loss_after = _loss(student, evals, batch_size, "hf", bar(len(evals), "held-out loss, recovered"))
     per_step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
     summary = RecoverSummary(recipe, steps, loss_teacher, loss_before, loss_after, steps * batch_size * seq_len,
-                             sum(len(w) for w in evals), 0.0, per_step, device, resumed, sorted(layout.weights), [], out)
+                             sum(len(w) for w in evals), 0.0, per_step, device, resumed,
+                             str(dtype).replace("torch.", ""), sorted(layout.weights), [], out)
     say(f"saving to {out}")
     tmp = folders.staging(out)
     try:
@@ -220,7 +252,7 @@ def format_summary(s: RecoverSummary) -> str:
     gap = s.loss_before - s.loss_teacher
     closed = f"{(s.loss_before - s.loss_after) / gap:.0%} of the gap to the teacher closed" if gap > 0 else \
         "the pruned model was no worse than the teacher"
-    lines = [f"nmcompile recover: {len(s.weights)} N:M weights trained {s.steps} steps with {s.recipe} on {s.device} "
+    lines = [f"nmcompile recover: {len(s.weights)} N:M weights trained {s.steps} steps with {s.recipe} on {s.device} in {s.dtype} "
              f"({s.train_tokens} tokens{f', resumed at step {s.resumed_at}' if s.resumed_at else ''}) in "
              f"{s.seconds:.1f}s, {s.seconds_per_step:.3f}s a step",
              f"  held-out loss ({s.held_out_tokens} tokens): teacher {s.loss_teacher:.4f}, pruned {s.loss_before:.4f} "

@@ -173,3 +173,20 @@ def test_a_recipe_that_does_not_match_the_directorys_values_is_refused(pruned4, 
         assert main(_args(pruned4, tmp_path / "o", 5, "--recipe", recipe)) == 2
         assert says in capsys.readouterr().err
         assert not (tmp_path / "o").exists()
+
+
+def test_a_bf16_student_trains_in_float32_where_the_cpu_has_no_bf16_arithmetic_and_it_fits(monkeypatch):
+    from nmcompile.oneshot import compute_dtype
+
+    student = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    monkeypatch.setattr(recover_module.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(compute_dtype, "_cpu_flags", lambda: frozenset({"avx2"}))
+    dtype, why = recover_module._training_dtype(student, None)
+    assert dtype == torch.float32 and "no native bfloat16 arithmetic" in why and "saved in bfloat16" in why
+    monkeypatch.setattr(recover_module.memory, "available_bytes", lambda: 4096)  # 4160 parameters * 20 bytes
+    dtype, why = recover_module._training_dtype(student, None)
+    assert dtype == torch.bfloat16 and "do not fit in the memory available" in why and "--dtype float32" in why
+    assert recover_module._training_dtype(student, torch.float32) == (torch.float32, "as asked (--dtype)")
+    monkeypatch.setattr(compute_dtype, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert recover_module._training_dtype(student, None)[0] == torch.bfloat16
+    assert recover_module._training_dtype(student.float(), None) == (torch.float32, "the stored dtype")
