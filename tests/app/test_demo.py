@@ -25,6 +25,7 @@ def installed(package: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.inductor  # the README's first command, as a user runs it: through Inductor
 def test_demo_end_to_end_on_a_tiny_text(tmp_path):
     out = tmp_path / "run"
     summary = run_demo("sr_ste:2:4", str(out), steps=20, width=32, layers=1, context=16, batch=8, text=TEXT,
