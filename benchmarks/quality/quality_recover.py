@@ -20,6 +20,7 @@ closed, seconds a step (the compile excluded: the first 10 steps), and whether e
 Rows go to a JSON-lines file (appended; done rows skipped); ``--markdown`` prints the table and the targets.
 
     python benchmarks/quality/quality_recover.py --seeds 0 1 2          # ~40 min on 2 cores
+    python benchmarks/quality/quality_recover.py --bits 4 --methods finetune kd+task   # 2:4+int4, recovered as such
     python benchmarks/quality/quality_recover.py --markdown
 """
 
@@ -37,7 +38,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository root, after the installed packages
     sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.quality.quality import Task  # noqa: E402
-from benchmarks.quality.quality_int8 import LlamaLM, dense_model  # noqa: E402
+from benchmarks.quality.quality_int8 import GROUP4, LlamaLM, dense_model  # noqa: E402
 from benchmarks.quality.quality_oneshot import calibration_batches, prune  # noqa: E402
 from benchmarks.toolbox import RESULTS as RESULTS_DIR, append_row, read_rows  # noqa: E402
 import nmcompile  # noqa: E402
@@ -59,14 +60,16 @@ def _make(model_name: str, task: Task, vocab: int):
     return task.make() if model_name == "gpt" else LlamaLM(vocab)
 
 
-def recover(model_name: str, method: str, task: Task, corpus, state: dict, steps: int, lr: float) -> dict:
+def recover(model_name: str, method: str, task: Task, corpus, state: dict, steps: int, lr: float,
+            bits: int | None = None) -> dict:
     torch.compiler.reset()
     torch.manual_seed(task.seed)
     student, teacher = _make(model_name, task, corpus.vocab), _make(model_name, task, corpus.vocab)
     student.load_state_dict(state)
     teacher.load_state_dict(state)
     exclude = task.exclude if model_name == "gpt" else ["lm.lm_head"]
-    prune(student, "sparsegpt", "2:4", calibration_batches(corpus, task.seed), exclude)
+    grid = f",bits={bits}" + (f",group={GROUP4}" if bits == 4 else "") if bits else ""
+    prune(student, "sparsegpt", "2:4" + grid, calibration_batches(corpus, task.seed), exclude)
     student.eval()
     with torch.no_grad():
         oneshot = float(task.evaluate(student))
@@ -91,7 +94,7 @@ def recover(model_name: str, method: str, task: Task, corpus, state: dict, steps
         return batches(step)
 
     try:
-        out = train_run(trained, "asp:2:4,permute=0", timed, task.loss, task.evaluate, steps=steps, lr=lr,
+        out = train_run(trained, "asp:2:4,permute=0" + grid, timed, task.loss, task.evaluate, steps=steps, lr=lr,
                         exclude=exclude, eval_every=steps, label=f"{model_name} {method} s{task.seed}", distill=distill)
     finally:
         if distill is not None:
@@ -110,19 +113,21 @@ def recover(model_name: str, method: str, task: Task, corpus, state: dict, steps
             out["record"]["final_eval"] = float(task.evaluate(student))
         extra["merged_2_4"] = nmcompile.check(student).ok
     effective = nmcompile.effective_weights(student) if method != "lora" else dict(student.named_parameters())
-    kept = all(bool((effective[n][z] == 0).all()) for n, z in zeros.items())
+    # with bits, a group whose kept value was rounded to code 0 may keep another of its zeros (still 2:4)
+    kept = all(bool((effective[n][z] == 0).all()) for n, z in zeros.items()) if not bits else \
+        nmcompile.check(student).ok
     per_step = (times[-1] - times[10]) / (len(times) - 11) if len(times) > 11 else None
-    return {"oneshot_eval": oneshot, "recovered_eval": out["record"]["final_eval"], "seconds_per_step": per_step,
+    return {"bits": bits, "oneshot_eval": oneshot, "recovered_eval": out["record"]["final_eval"], "seconds_per_step": per_step,
             "zeros_kept": kept, "steps": steps, "lr": lr, **extra}
 
 
-def run(models, seeds, methods, steps: int, lr: float, results: str) -> None:
-    done = {(r["model"], r["method"], r["seed"], r["steps"]) for r in read_rows(results)}
+def run(models, seeds, methods, steps: int, lr: float, results: str, bits: int | None = None) -> None:
+    done = {(r["model"], r["method"], r["seed"], r["steps"], r.get("bits")) for r in read_rows(results)}
     results_dir = os.path.dirname(os.path.abspath(results))
     corpus = CharCorpus(shakespeare())
     for model_name in models:
         for seed in seeds:
-            todo = [m for m in methods if (model_name, m, seed, steps) not in done]
+            todo = [m for m in methods if (model_name, m, seed, steps, bits) not in done]
             if not todo:
                 continue
             task = Task("gpt", seed, corpus)
@@ -134,7 +139,7 @@ def run(models, seeds, methods, steps: int, lr: float, results: str) -> None:
             for method in todo:
                 start = time.perf_counter()
                 row = {"model": model_name, "method": method, "seed": seed, "dense_eval": dense_eval,
-                       **recover(model_name, method, task, corpus, state, steps, lr)}
+                       **recover(model_name, method, task, corpus, state, steps, lr, bits)}
                 row["closed"] = (row["oneshot_eval"] - row["recovered_eval"]) / (row["oneshot_eval"] - dense_eval)
                 row["wall"] = time.perf_counter() - start
                 append_row(results, row)
@@ -142,12 +147,14 @@ def run(models, seeds, methods, steps: int, lr: float, results: str) -> None:
 
 def markdown(results: str) -> str:
     rows = read_rows(results)
-    lines = ["| model | method | steps | seeds | dense | one-shot 2:4 | recovered | gap closed (per seed) | s/step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | values | method | steps | seeds | dense | one-shot 2:4 | recovered | gap closed (per seed) | s/step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     verdicts = []
     for model in MODELS:
-        for steps in sorted({r["steps"] for r in rows if r["model"] == model}):
-            by = {(r["method"], r["seed"]): r for r in rows if r["model"] == model and r["steps"] == steps}
+        for steps, bits in sorted({(r["steps"], r.get("bits") or 0) for r in rows if r["model"] == model}):
+            by = {(r["method"], r["seed"]): r for r in rows
+                  if r["model"] == model and r["steps"] == steps and (r.get("bits") or 0) == bits}
+            values = f"int{bits}" if bits else "float"
             for method in METHODS:
                 mine = sorted((r for (m, _), r in by.items() if m == method), key=lambda r: r["seed"])
                 if not mine:
@@ -155,17 +162,18 @@ def markdown(results: str) -> str:
                 mean = lambda key: statistics.fmean(r[key] for r in mine)  # noqa: E731
                 closed = ", ".join(f"{r['closed']:.0%}" for r in mine)
                 step_s = [r["seconds_per_step"] for r in mine if r["seconds_per_step"]]
-                lines.append(f"| {model} | {method} | {steps} | {len(mine)} | {mean('dense_eval'):.4f} | "
+                lines.append(f"| {model} | {values} | {method} | {steps} | {len(mine)} | {mean('dense_eval'):.4f} | "
                              f"{mean('oneshot_eval'):.4f} | {mean('recovered_eval'):.4f} | {mean('closed'):.0%} "
                              f"({closed}) | {statistics.fmean(step_s) if step_s else float('nan'):.3f} |")
                 if not all(r["zeros_kept"] for r in mine):
-                    verdicts.append(f"- {model} {method}: a pruned weight lost a zero: **mask not kept**")
+                    verdicts.append(f"- {model} {values} {method}: a pruned weight lost a zero (with bits: the "
+                                    "model is not 2:4): **mask not kept**")
             for method in METHODS[1:]:
                 seeds = sorted(s for m, s in by if m == method and ("finetune", s) in by)
                 if model == "gpt" and steps <= 300 and seeds:
                     closes = min(by[(method, s)]["closed"] for s in seeds)
                     beats = all(by[(method, s)]["recovered_eval"] < by[("finetune", s)]["recovered_eval"] for s in seeds)
-                    verdicts.append(f"- {model} {method}, {steps} steps: closes at least 90% of the gap in every seed: "
+                    verdicts.append(f"- {model} {values} {method}, {steps} steps: closes at least 90% of the gap in every seed: "
                                     f"**{'met' if closes >= 0.9 else 'missed'}** (least {closes:.0%}); below plain "
                                     f"fine-tuning in every seed: **{'met' if beats else 'missed'}**")
     return "\n".join(lines + [""] + verdicts)
@@ -178,13 +186,15 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--bits", type=int, choices=(8, 4), default=None, help="one-shot SparseGPT 2:4 with int8 or "
+                        "4-bit values (the joint solve), recovered on the same grids (asp:2:4,permute=0,bits=...)")
     parser.add_argument("--results", default=RESULTS)
     parser.add_argument("--markdown", action="store_true", help="print the table and the targets, run nothing")
     args = parser.parse_args()
     if args.markdown:
         print(markdown(args.results))
         return
-    run(args.models, args.seeds, args.methods, args.steps, args.lr, args.results)
+    run(args.models, args.seeds, args.methods, args.steps, args.lr, args.results, args.bits)
 
 
 if __name__ == "__main__":

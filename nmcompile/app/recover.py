@@ -104,8 +104,9 @@ def _recipes(pruned: str, layout, grids: dict, recipe: str | None) -> dict[str, 
 
 def _training_dtype(student, asked: torch.dtype | None) -> tuple[torch.dtype, str]:
     """``(dtype, why)``: ``asked``; else float32 for a bf16/fp16 student on a CPU without native arithmetic for it
-    (PyTorch's bf16 GEMMs of a training step's backward run there at a hundredth of float32's speed: a
-    ``[128, 8192] x [8192, 2048]`` bf16 product took 56 s against 0.4 s in float32 on a 2-core AVX2 EPYC) where
+    (PyTorch's bf16 GEMMs of a training step's backward run there far slower than float32: a layer's input gradient
+    ``[128, 8192] x [8192, 2048]`` took 17.2 s in bf16 against 0.11 s on the same operands cast to float32, on a
+    2-core AVX2 EPYC; ``benchmarks/training/bf16_gemms.py``) where
     float32 weights, gradients, AdamW's two moments and a float32 teacher fit in the memory available; else the
     stored dtype, said to be slow."""
     stored = stored_dtype(student)
