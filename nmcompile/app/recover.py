@@ -83,6 +83,10 @@ def _recipes(pruned: str, layout, grids: dict, recipe: str | None) -> dict[str, 
     out: dict[str, list[str]] = {}
     for name in sorted(layout.weights):
         spec = recipe or DEFAULT_RECIPE
+        if layout.weights[name].bits and name not in grids:  # recorded as codes, but no grid came with the load
+            raise ValueError(f"{pruned}: {name} is recorded with {layout.weights[name].bits}-bit values but its grid "
+                             "was not loaded, so it would train and save as float values; run nmcompile check on the "
+                             "directory (its codes file may be missing)")
         if name in grids:
             bits, scales = grids[name]
             entry = layout.weights[name]

@@ -190,3 +190,13 @@ def test_a_bf16_student_trains_in_float32_where_the_cpu_has_no_bf16_arithmetic_a
     monkeypatch.setattr(compute_dtype, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert recover_module._training_dtype(student, None)[0] == torch.bfloat16
     assert recover_module._training_dtype(student.float(), None) == (torch.float32, "the stored dtype")
+
+
+def test_a_weight_recorded_as_codes_whose_grid_did_not_load_is_refused():
+    from types import SimpleNamespace
+
+    layout = SimpleNamespace(weights={"fc.weight": SimpleNamespace(bits=4, shape=(8, 64), dim=1)})
+    with pytest.raises(ValueError, match="fc.weight is recorded with 4-bit values but its grid was not loaded"):
+        recover_module._recipes("d", layout, {}, None)
+    grid = {"fc.weight": (4, torch.ones(8, 1, dtype=torch.float16))}
+    assert recover_module._recipes("d", layout, grid, None) == {"asp:2:4,permute=0,bits=4": ["fc.weight"]}
